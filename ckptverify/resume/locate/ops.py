@@ -44,8 +44,7 @@ class OpSite:
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
 
     def describe(self) -> str:
-        where = f" in {self.module}" if self.module else ""
-        return f"{self.op} (occurrence {self.occurrence}, {self.phase}{where})"
+        return f"{self.op} ({_where(self.occurrence, self.phase, self.module)})"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -220,7 +219,7 @@ class Located:
         if o.op is None or o.occurrence is None:
             return (f"The divergence at step {self.step} is born on {who} at different ops: "
                     + "; ".join(f"rank {x.rank}: {x.op} (occurrence {x.occurrence})" for x in self.origins))
-        site = f"{o.op} (occurrence {o.occurrence}, {o.phase}{f' in {o.module}' if o.module else ''})"
+        site = f"{o.op} ({_where(o.occurrence, o.phase, o.module)})"
         count = f"in {o.repeats_differing} of {self.repeats} repeat pairs"
         if self.seen_in in ("a", "b"):
             pairs = self.side_pairs[0 if self.seen_in == "a" else 1]
@@ -245,8 +244,8 @@ class Located:
         if self.arguments:
             named = ", ".join(f"{x['name']}: {x['a']} vs {x['b']}" if x["a"] is not None and x["b"] is not None
                               else f"{x['name']} differs" for x in self.arguments)
-            where = f"occurrence {o.occurrence}, {o.phase}{f' in {o.module}' if o.module else ''}"
-            return (f"The divergence at step {self.step} is born on {who} at {o.op} {named} ({where}): its tensor "
+            return (f"The divergence at step {self.step} is born on {who} at {o.op} {named} "
+                    f"({_where(o.occurrence, o.phase, o.module)}): its tensor "
                     f"inputs are equal and {_plural(len(self.arguments), 'argument')} other than a tensor "
                     f"{'differs' if len(self.arguments) == 1 else 'differ'} ({count})")
         if self.rewired:
@@ -326,6 +325,11 @@ class Located:
             return text + ": the step is not deterministic, so a difference between the sides may be its natural " \
                           "variation"
         return text + ": the step is not deterministic there, but the sides part elsewhere"
+
+
+def _where(occurrence: int | None, phase: str | None, module: str | None) -> str:
+    """``occurrence k, phase[ in module]``: where an op ran, as every sentence names it."""
+    return f"occurrence {occurrence}, {phase}{f' in {module}' if module else ''}"
 
 
 def _plural(n: int, word: str) -> str:
