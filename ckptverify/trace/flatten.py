@@ -140,7 +140,6 @@ class _StateLayout:
         optim_flat = flat_names({"optim": optim_sd}) if optim_sd else {}
         param_flat = flat_names({"model": model_sd}) if model_sd else {}
         groups = [g for opt in state.optimizers for g in opt.param_groups]
-        self.structure = structure
         self.signature = _layout_signature(state, structure)
         self._pin = [opt.state for opt in state.optimizers]  # keeps ids in the signature unique
         self.optim_leaves = _Leaves(optim_flat, "optim.", "optim.", "optim", groups)
@@ -159,8 +158,7 @@ class _StateLayout:
         for _, v in tensors:
             local = local_view(v)
             key = (local.data_ptr(), local.dtype, tuple(local.shape)) if local.device.type == "cpu" else None
-            owner = owners.get(key) if key is not None else None
-            live.append(owner if owner is not None else local)
+            live.append(owners.get(key, local))
         self.params = _Members("param.*", "param", [f"param.{n[len('model.'):]}" for n, _ in tensors],
                                [v for _, v in tensors])
         buffers = non_persistent_buffers(state.model) if state.model is not None else []
