@@ -224,6 +224,13 @@ class StepTracer:
         self.ops_on = False
         #: Above 0 during the recorder's own tensor work: not traced.
         self.quiet = 0
+        #: Moves at each begin and end, so a late callback of another step takes nothing.
+        self._generation = 0
+        self._nvtx = False
+        self._new_step()
+
+    def _new_step(self) -> None:
+        """Forget the ops and collectives of the step before."""
         self.events: list[dict[str, Any]] = []
         self.dropped = 0
         self._occ: dict[tuple[str, str, str], int] = {}
@@ -232,12 +239,11 @@ class StepTracer:
         self._pending: list[tuple[list[Any], list[str], str, int, list[int]]] = []
         self._callbacks: list[Any] = []
         self._read_events: list[Any] = []
-        #: Moves at each begin and end, so a late callback of another step takes nothing.
-        self._generation = 0
         #: Functional collective results not waited on (in flight). A c10d op's buffers are not tracked: its
         #: ``Work`` is waited on out of sight, so later readers read them complete.
         self._flying: set[int] = set()
-        self._nvtx = False
+        self._digests.reset()
+        self.context.reset()
 
     def begin(self, step: int) -> None:
         """Start traced step ``step``: enter the dispatch mode in the op window, else route collectives through
@@ -252,17 +258,8 @@ class StepTracer:
 
             # NVTX range per op so `nsys` maps kernels to sites (docs/locate.md).
             self._nvtx = nvtx_enabled()
-        self.events = []
-        self.dropped = 0
-        self._occ.clear()
-        self._comm_occ.clear()
-        self._pending = []
-        self._callbacks = []
-        self._read_events = []
+        self._new_step()
         self._generation += 1
-        self._flying.clear()
-        self._digests.reset()
-        self.context.reset()
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         ctx = self.context

@@ -91,11 +91,6 @@ class TraceRecorder:
         self.writer = TraceWriter(self.store_path, header=self.header, flush_every=flush_every, overwrite=overwrite)
         self._model: Any = None
         self._handles: list[Any] = []
-        self._module_cells: list[Cell] = []
-        self._occurrences: dict[tuple[str, str], int] = {}
-        self._grad_cells: list[Item] | None = None
-        self._hparam_cells: list[Cell] = []
-        self._start_cells: list[Cell] = []
         self._optimizers: list[Any] = []
         self._paused = 0
         self._structure: _Structure | None = None
@@ -112,13 +107,10 @@ class TraceRecorder:
         self._hook_warning = _HookWarningGuard()
         self._pending: tuple[int, _ReadBack] | None = None
         self._pinned: dict[Any, Any] = {}
-        # Running forwards are the context's frames (the tracer reads where an op runs from them). Recompute pairing:
-        # the step's calls (name, occurrence, children), calls per module, calls already repeated.
+        # Running forwards are the context's frames (the tracer reads where an op runs from them).
         self._context = OpContext()
         self._frames = self._context.forward
-        self._calls: list[tuple[str, int, list[int]]] = []
-        self._calls_of: dict[str, list[int]] = {}
-        self._paired: set[int] = set()
+        self._forget_step()
         self._tracer: StepTracer | None = None
         self._step_started: int | None = None
         self._last_step = 0
@@ -314,15 +306,16 @@ class TraceRecorder:
 
     def _forget_step(self) -> None:
         """Drop what the hooks gathered for the step."""
-        self._module_cells = []
-        self._start_cells = []
-        self._grad_cells = None
-        self._hparam_cells = []
-        self._occurrences.clear()
+        self._module_cells: list[Item | None] = []
+        self._start_cells: list[Cell] = []
+        self._grad_cells: list[Item] | None = None
+        self._hparam_cells: list[Item] = []
+        self._occurrences: dict[tuple[str, str], int] = {}
         self._frames.clear()
-        self._calls.clear()
-        self._calls_of.clear()
-        self._paired.clear()
+        # Recompute pairing: the step's calls (name, occurrence, children), calls per module, calls already repeated.
+        self._calls: list[tuple[str, int, list[int]]] = []
+        self._calls_of: dict[str, list[int]] = {}
+        self._paired: set[int] = set()
 
     def begin_skipped_step(self) -> None:
         """A step that will not be recorded begins: hooks gather nothing until :meth:`skip_step`."""
