@@ -254,9 +254,6 @@ def is_store(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / "zarr.json").is_file()
 
 
-# ------------------------------------------------------------------------------------------- writer
-
-
 class TraceWriter:
     """Appends rows to a new trace store at ``path``; each :meth:`append` is one step's cells in execution order.
 
@@ -314,8 +311,6 @@ class TraceWriter:
             raise UsageError("the header of a trace store can only change before its first row is written")
         self.header = header
         self._group.update_attributes({"header": header.to_dict()})
-
-    # -------------------------------------------------------------- appending
 
     @property
     def rows(self) -> int:
@@ -382,8 +377,6 @@ class TraceWriter:
             self._position = {c: i for i, c in enumerate(self._order)}
         self._sites_version += 1
         return col
-
-    # -------------------------------------------------------------- writing
 
     def flush(self) -> None:
         """Write the buffered rows and wait until every row handed over so far is committed."""
@@ -477,9 +470,6 @@ class TraceWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# ------------------------------------------------------------------------------------------- reader
 
 
 @dataclass(frozen=True, slots=True)
@@ -745,10 +735,7 @@ class Trace:
         return self._rows
 
     def site(self, name: str) -> Site:
-        col = self._columns.get(name)
-        if col is None:
-            raise KeyError(name)
-        return self._by_column[col]
+        return self._by_column[self._columns[name]]
 
     def has_site(self, name: str) -> bool:
         return name in self._columns
@@ -796,9 +783,7 @@ class Trace:
     def value(self, step: int, site: str) -> float | int | str | None:
         """``site``'s value at ``step`` (hex digits, or the number for ``f64``/``i64``); ``None`` when absent."""
         lanes = self.lanes(step, site)
-        if lanes is None:
-            return None
-        return decode(lanes, self._by_column[self._columns[site]].encoding)
+        return None if lanes is None else decode(lanes, self.site(site).encoding)
 
     def hex(self, step: int, site: str) -> str | None:
         """``site``'s raw 128 bits at ``step`` as 32 hex digits; ``None`` when absent."""
@@ -814,12 +799,8 @@ class Trace:
         if row is None:
             raise KeyError(step)
         values, present = self._row(row)
-        out: dict[str, float | int | str] = {}
-        for site in self.sites:
-            col = self._columns[site.name]
-            if present[col]:
-                out[site.name] = decode(values[col], site.encoding)
-        return TraceRow(int(step), out)
+        columns = zip(self.sites, self._order.tolist(), strict=True)
+        return TraceRow(int(step), {s.name: decode(values[col], s.encoding) for s, col in columns if present[col]})
 
     def __iter__(self) -> Iterator[TraceRow]:
         """Rows in step order, each with its sites in execution order."""
