@@ -17,6 +17,7 @@ cost at these sizes)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from operator import mul as _mul
 from operator import xor as _xor
@@ -34,16 +35,10 @@ __all__ = ["HostViews", "combine", "host_digest", "host_view", "locate", "matche
            "weight"]
 
 
-_weights: dict[str, int] = {}
-_signatures: dict[tuple[Any, tuple[int, ...]], int] = {}
-
-
+@functools.cache
 def weight(name: str) -> int:
     """``w(name)``: a member's weight in its category cell, an odd 64-bit number drawn from its site name."""
-    w = _weights.get(name)
-    if w is None:
-        w = _weights[name] = xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass")) | 1
-    return w
+    return xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass")) | 1
 
 
 def combine(members: Sequence[int], weights: Sequence[int]) -> tuple[int, int]:
@@ -73,13 +68,10 @@ def matches(name: str, located: tuple[int, int]) -> bool:
     return weight(name) & ((1 << bits) - 1) == w
 
 
+@functools.cache
 def signature(dtype: Any, shape: tuple[int, ...]) -> int:
     """xxh3-128 of a dtype and shape: what a host tensor's byte digest is xor-ed with."""
-    key = (dtype, shape)
-    sig = _signatures.get(key)
-    if sig is None:
-        sig = _signatures[key] = xxhash.xxh3_128_intdigest(f"{dtype}|{shape}".encode())
-    return sig
+    return xxhash.xxh3_128_intdigest(f"{dtype}|{shape}".encode())
 
 
 def host_view(t: torch.Tensor) -> np.ndarray:

@@ -11,6 +11,7 @@ attributed to the wrong module when autograd interleaves independent branches.""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -518,9 +519,6 @@ class StepTracer:
         return out
 
 
-_OUT_ARGS: dict[Any, frozenset[str]] = {}
-
-
 def _allocates(name: str) -> bool:
     """Whether an op of this name returns memory it does not write (an ``empty*`` allocation)."""
     return name in _EMPTY or name.startswith(("empty_", "new_empty", "_empty"))
@@ -605,12 +603,10 @@ def _text(value: Any) -> str | None:
     return text if len(text) <= MAX_ARGUMENT_TEXT else None
 
 
+@functools.cache
 def _out_arguments(func: Any) -> frozenset[str]:
     """Names of the out= arguments of an op overload (write-only buffers)."""
-    names = _OUT_ARGS.get(func)
-    if names is None:
-        names = _OUT_ARGS[func] = frozenset(a.name for a in func._schema.arguments if getattr(a, "is_out", False))
-    return names
+    return frozenset(a.name for a in func._schema.arguments if getattr(a, "is_out", False))
 
 
 def _comm_note(info: CommInfo, tensors: list[Any]) -> str:
