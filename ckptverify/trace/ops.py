@@ -730,11 +730,9 @@ def write_op_log(store: str | os.PathLike[str], step: int, records: list[dict[st
     def resolve(v: Any) -> str | None:
         return None if v is None else f"{digests[v[1]] if isinstance(v, tuple) else v:032x}"
 
-    events = []
-    for r in records:
-        events.append({**r, "i": [resolve(v) for v in r["i"]], "u": [resolve(v) for v in r["u"]],
-                       "c": None if r["c"] is None else [None if c is None else [resolve(x) for x in c]
-                                                         for c in r["c"]]})
+    events = [{**r, "i": [resolve(v) for v in r["i"]], "u": [resolve(v) for v in r["u"]],
+               "c": None if r["c"] is None else [None if c is None else [resolve(x) for x in c] for c in r["c"]]}
+              for r in records]
     path = op_log_path(store, step)
     own_folder(path.parent)
     write_atomic(path, json.dumps({"version": OP_LOG_VERSION, "step": int(step), "dropped": int(dropped),
