@@ -223,8 +223,6 @@ def window_from_dict(data: Any) -> OpWindow:
     """An :class:`OpWindow` from its JSON form; :class:`~ckptverify.errors.UsageError` otherwise."""
     from ckptverify.errors import UsageError
 
-    if isinstance(data, OpWindow):
-        return data
     if not isinstance(data, dict):
         raise UsageError(f"an op window is a JSON object, not {type(data).__name__}")
     known = {"steps", "ranks", "modules", "max_ops", "capture", "capture_path"}
