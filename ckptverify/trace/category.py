@@ -26,6 +26,9 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from ckptverify.fingerprint.spec import MASK64 as _MASK64
+from ckptverify.fingerprint.subclass import flatten, is_wrapper_subclass
+from ckptverify.trace import hostread
+from ckptverify.trace.sites import local_view
 
 if TYPE_CHECKING:
     import numpy as np
@@ -98,9 +101,6 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
     """The member digest of each tensor (unsigned 128-bit), in order: :func:`host_digest` on the host; on a device
     ``lane0 << 64 | lane1`` of the fingerprint, one batched pass and read-back per device. A DTensor stands for its
     local shard."""
-    from ckptverify.fingerprint.subclass import is_wrapper_subclass
-    from ckptverify.trace.sites import local_view
-
     out: list[int] = [0] * len(tensors)
     by_device: dict[Any, list[int]] = {}
     locals_ = [local_view(t) for t in tensors]
@@ -122,8 +122,6 @@ def subclass_digest(t: torch.Tensor) -> int:
     flatten context (uncanonical attributes by type) and each inner tensor's member digest."""
     import json
 
-    from ckptverify.fingerprint.subclass import flatten
-
     flat = flatten(t, strict=False)  # an attribute without a canonical form must not stop the run
     inner = tensor_digests([part for _, part in flat.parts])
     text = json.dumps({"class": flat.label, "dtype": str(t.dtype), "shape": list(t.shape), "context": flat.context,
@@ -136,7 +134,6 @@ def device_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
     """Member digests of tensors on one device (``lane0 << 64 | lane1`` of the fingerprint), computed there in one
     pass and read back once."""
     from ckptverify.fingerprint import kernels as kern
-    from ckptverify.trace import hostread
 
     return [(a & _MASK64) << 64 | (b & _MASK64) for a, b in hostread.to_host(kern.lanes_many(tensors))]
 
@@ -153,8 +150,6 @@ class HostViews:
 
     def __init__(self, tensors: Sequence[torch.Tensor], owners: Sequence[Any] | None = None) -> None:
         import torch
-
-        from ckptverify.fingerprint.subclass import is_wrapper_subclass
 
         self.tensors = list(tensors)
         #: Read data pointers from these to see a moved storage (e.g. the Parameter behind a state-dict alias).
@@ -185,8 +180,6 @@ class HostViews:
 
 def _pointer(t: Any) -> Any:
     """Where a tensor's values live (data pointer, or a subclass's parts'), to see them move."""
-    from ckptverify.fingerprint.subclass import flatten, is_wrapper_subclass
-
     if is_wrapper_subclass(t):
         return tuple(_pointer(part) for _, part in flatten(t).parts)
     return t.data_ptr()

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from ckptverify.errors import UsageError
+from ckptverify.trace import category
+from ckptverify.trace.category import digest_lanes, host_digest, signature
 from ckptverify.trace.readback import _HOST_AS_DEVICE, _MASK64, _PLAIN_TYPES, Item, _Deferred, _digests_later, _on_host
 from ckptverify.trace.sites import is_dtensor, local_view
 from ckptverify.trace.store import Cell, bits_float, hex_lanes
@@ -32,10 +34,6 @@ def _tensor_item(site: str, kind: str, t: torch.Tensor, info: str = "") -> Item:
 
 
 def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
-    import xxhash
-
-    from ckptverify.trace.category import digest_lanes, host_digest, signature, tensor_digests
-
     if t.is_cpu and not _HOST_AS_DEVICE and type(t).__name__ in _PLAIN_TYPES:
         if not t.requires_grad and t.is_contiguous():
             try:  # the common case (a batch, a module output without grad): no copy, no detach
@@ -46,14 +44,12 @@ def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
         return Cell(site, kind, digest_lanes(host_digest(t)), "digest128", info)
     # A tensor's member digest reads as bytes on the host, as its logical fingerprint on a device.
     encoding = "digest128" if _on_host(local_view(t)) else "fp128"
-    return Cell(site, kind, digest_lanes(tensor_digests([t])[0]), encoding, info)
+    return Cell(site, kind, digest_lanes(category.tensor_digests([t])[0]), encoding, info)
 
 
 def _summary(obj: Any) -> Any:
     """``obj`` with every tensor replaced by its member digest, dtype and shape (for composite digests)."""
-    from ckptverify.trace.category import tensor_digests
-
-    return _filled(_skeleton(obj), iter(tensor_digests(_tensor_leaves(obj, []))))
+    return _filled(_skeleton(obj), iter(category.tensor_digests(_tensor_leaves(obj, []))))
 
 
 def _tensor_leaves(obj: Any, out: list[Any]) -> list[Any]:

@@ -21,10 +21,16 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import xxhash
+
 from ckptverify.ownfiles.names import own_folder, write_atomic
+from ckptverify.trace import kernel
+from ckptverify.trace.category import host_digest
+from ckptverify.trace.cells import _tensor_item
 from ckptverify.trace.comm import COMM_NAMESPACES, RECV, UNSET, _name, argument, bound, comm_info, comm_site, is_comm
 from ckptverify.trace.oplog import MAX_ARGUMENT_NAME, MAX_ARGUMENT_TEXT, OP_LOG_VERSION, CommInfo, OpWindow, op_log_path
-from ckptverify.trace.readback import _pair_digests
+from ckptverify.trace.readback import _on_host, _pair_digests
+from ckptverify.trace.sites import is_dtensor
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "ORDER_SENSITIVE", "OpContext", "StepTracer", "write_op_log"]
 
@@ -105,8 +111,6 @@ class _Digests:
     def __call__(self, t: Any) -> Any:
         import torch
 
-        from ckptverify.trace.sites import is_dtensor
-
         if is_dtensor(t):
             t = t.to_local()
         elif type(t).__name__ == "AsyncCollectiveTensor":
@@ -144,11 +148,7 @@ class _Digests:
         return [self._fresh(flat[i:i + size]) for i in range(0, flat.numel(), size)]
 
     def _fresh(self, t: Any) -> Any:
-        from ckptverify.trace.readback import _on_host
-
         if _on_host(t):
-            from ckptverify.trace.category import host_digest
-
             return host_digest(t)
         from ckptverify.fingerprint import kernels as kern
 
@@ -255,10 +255,8 @@ class StepTracer:
         self.ops_on = (w is not None and (w.steps is None or step in w.steps)
                        and (w.ranks is None or self.rank in w.ranks))
         if self.ops_on:
-            from ckptverify.trace.kernel import nvtx_enabled
-
             # NVTX range per op so `nsys` maps kernels to sites (docs/locate.md).
-            self._nvtx = nvtx_enabled()
+            self._nvtx = kernel.nvtx_enabled()
         self._new_step()
         self._generation += 1
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -340,8 +338,6 @@ class StepTracer:
         k = self._comm_occ.get((info.group, info.collective), 0)
         self._comm_occ[(info.group, info.collective)] = k + 1
         note = _comm_note(info, ins or outs)
-        from ckptverify.trace.cells import _tensor_item
-
         many = len(ins) > 1
         for i, t in enumerate(ins):
             self._emit(_tensor_item(comm_site(info, k, "in", i if many else None), "comm_in", t.detach(), note))
@@ -425,8 +421,6 @@ class StepTracer:
         self._pending = keep
 
     def _complete(self, entry: tuple[list[Any], list[str], str, int, list[int]]) -> None:
-        from ckptverify.trace.cells import _tensor_item
-
         tensors, sites, note, index, places = entry
         self._flying.difference_update(id(t) for t in tensors)
         for t, site, place in zip(tensors, sites, places, strict=True):
@@ -468,9 +462,7 @@ class StepTracer:
         if already is not None:
             out = already
         elif self._nvtx:
-            from ckptverify.trace.kernel import nvtx_site, site_name
-
-            with nvtx_site(site_name((self.step, phase, module, op, occ))):
+            with kernel.nvtx_site(kernel.site_name((self.step, phase, module, op, occ))):
                 out = func(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
@@ -534,7 +526,6 @@ def _arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list
     """``[name, digest, text]`` of each non-tensor argument in schema order, a default standing for an omitted
     argument (so both calls match); ``text`` only for small values."""
     import torch
-    import xxhash
 
     out: list[list[Any]] = []
     for a, value in bound(func, args, kwargs):
@@ -585,8 +576,6 @@ def _encode(value: Any, parts: list[str]) -> bool:
         parts.append("]")
         return small
     elif isinstance(value, torch.Generator):
-        import xxhash
-
         state = value.get_state()
         parts.append(f"g{value.device}:{xxhash.xxh3_128_hexdigest(state.numpy().tobytes())}")
         return False

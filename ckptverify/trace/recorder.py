@@ -19,6 +19,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,7 @@ from ckptverify.trace.hyperparams import _HparamCells
 from ckptverify.trace.members import _Gradients
 from ckptverify.trace.oplog import OpWindow
 from ckptverify.trace.ops import DEFAULT_CHUNK_ELEMENTS, OpContext, StepTracer, write_op_log
-from ckptverify.trace.readback import Item, _Deferred, _ReadBack
+from ckptverify.trace.readback import _HOST_AS_DEVICE, Item, _Deferred, _ReadBack
 from ckptverify.trace.sites import (
     _FIELD_ORDER,
     _WRAPPER_PARTS,
@@ -393,7 +394,6 @@ class TraceRecorder:
         the state's categories and fields; ``comm``/``module``/``op`` add their sites (site names:
         ``docs/trace.md``). Lower levels ignore what they do not record. Steps must increase; on several ranks every
         rank must call this for every step."""
-
         op_items: list[Item] = []
         if self._tracer is not None and self._tracer.active:
             started = self._step_started
@@ -440,10 +440,6 @@ class TraceRecorder:
     def _fill_encoding(self, state: TrainState | None, batch: Any, metrics: Mapping[str, Any] | None) -> None:
         """Set the header's ``digest_encoding`` from where the first row's tensors live (the model's parameters, else
         the batch or a metric); a row of numbers only leaves it ``unknown``."""
-        from dataclasses import replace
-
-        from ckptverify.trace.readback import _HOST_AS_DEVICE
-
         found = None
         if self.records_state:
             model = state.model if state is not None and state.model is not None else self._model
