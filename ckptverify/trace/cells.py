@@ -7,9 +7,11 @@ import json
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import xxhash
 
 from ckptverify.errors import UsageError
+from ckptverify.state.digest import state_digest
 from ckptverify.trace import category
 from ckptverify.trace.category import digest_lanes, host_digest, signature
 from ckptverify.trace.readback import _HOST_AS_DEVICE, _MASK64, _PLAIN_TYPES, Item, _Deferred, _digests_later, _on_host
@@ -81,8 +83,6 @@ def _value_item(site: str, kind: str, obj: Any, info: str = "") -> Item:
     skeleton = _skeleton(obj)
 
     def finish(digests: list[int]) -> list[Cell]:
-        from ckptverify.state.digest import state_digest
-
         summary = _filled(skeleton, iter(digests))
         return [Cell(site, kind, hex_lanes(state_digest(summary)), "digest128", info)]
 
@@ -162,8 +162,6 @@ def _value_lanes(value: Any) -> tuple[int, int]:
     try:
         text = _json(value)
     except (TypeError, ValueError):
-        from ckptverify.state.digest import state_digest
-
         return hex_lanes(state_digest(_summary(value)))
     d = xxhash.xxh3_128_intdigest(b"J" + text.encode("utf-8", "surrogatepass"))
     return d >> 64, d & _MASK64
@@ -217,7 +215,6 @@ def _metric_item(name: str, value: Any) -> Item:
 def _metric_cell(name: str, value: Any) -> Cell:
     """A metric's exact value: numbers and one-element real tensors by their bits as float64/int64 (widening is
     exact), anything else by member or state digest."""
-    import numpy as np
     import torch
 
     site = f"metric.{name}"

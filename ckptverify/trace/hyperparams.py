@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import operator
+import struct
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ckptverify.trace.category import combine, weight
 from ckptverify.trace.cells import _SCALARS
@@ -21,8 +25,6 @@ def _on_device(values: list[Any]) -> list[int]:
 
 
 def _hparam_cell(site: str, v: Any) -> Cell | None:
-    import numpy as np
-
     if isinstance(v, bool | np.bool_ | int | np.integer):
         return Cell.from_int(site, "hparam", int(v))
     if isinstance(v, float | np.floating):
@@ -88,8 +90,6 @@ class _HparamCells:
         return cells
 
     def _make(self, optimizers: list[Any], groups: list[Any]) -> list[Item]:
-        import struct
-
         spec = self._spec
         if spec is None or spec.shape != [*map(len, groups), len(optimizers)]:
             spec = self._spec = self._find(optimizers, groups)
@@ -116,8 +116,6 @@ class _HparamCells:
 
     def _packed(self, spec: _HparamSpec, values: list[Any], group: str) -> list[Cell]:
         """The cells of ``values``, packed by ``spec``: each member's value is its 64 bits."""
-        import struct
-
         packed = struct.pack(spec.fmt, *values)
         lows = list(struct.unpack(f"<{len(packed) // 8}Q", packed))
         encodings = ["f64" if k == "d" else "i64" for k in spec.fmt[1:]]
@@ -154,8 +152,6 @@ class _HparamCells:
 
     def _find(self, optimizers: list[Any], groups: list[Any]) -> _HparamSpec:
         """Which entries are numbers, and how to pack them."""
-        import operator
-
         scalars: list[Any] = []
         counts: list[int] = []
         sequences: list[list[str]] = []

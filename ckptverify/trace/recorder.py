@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -611,8 +612,6 @@ class _HookWarningGuard:
         """Module ``name``'s backward pre-hook fires: silence the warning if it is about to be given for us."""
         if name not in self._grad_free or name in self._needs_grad or not _only_our_hooks(module):
             return
-        import warnings
-
         held = warnings.catch_warnings()
         held.__enter__()
         warnings.filterwarnings("ignore", message=_HOOK_WARNING, category=UserWarning)
