@@ -17,9 +17,6 @@ __all__ = ["COMM_NAMESPACES", "RECV", "UNSET", "argument", "bound", "comm_info",
 #: Dispatcher namespaces of collective and point-to-point ops.
 COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
 
-#: Functional ops that are no collective (waiting on one is where its output becomes valid).
-_NOT_COLLECTIVES = frozenset({"wait_tensor"})
-
 #: Point-to-point receives (c10d names); the one send is ``send``.
 RECV = frozenset({"recv_", "recv_any_source_"})
 
@@ -29,11 +26,12 @@ _REDUCE_NAMES = {0: "sum", 1: "avg", 2: "product", 3: "min", 4: "max", 5: "band"
 
 
 def is_comm(func: Any) -> bool:
-    """Whether the op overload ``func`` is a collective or point-to-point op (not a functional ``wait``)."""
+    """Whether the op overload ``func`` is a collective or point-to-point op (not ``wait_tensor``: waiting on a
+    functional collective is where its output becomes valid)."""
     if func.namespace not in COMM_NAMESPACES:
         return False
     name = _name(func)
-    return name not in _NOT_COLLECTIVES and not name.startswith(("barrier", "monitored_barrier", "_wrap_tensor"))
+    return name != "wait_tensor" and not name.startswith(("barrier", "monitored_barrier", "_wrap_tensor"))
 
 
 def _name(func: Any) -> str:
