@@ -17,6 +17,7 @@ cost at these sizes)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from operator import mul as _mul
 from operator import xor as _xor
@@ -25,6 +26,9 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from ckptverify.fingerprint.spec import MASK64 as _MASK64
+from ckptverify.fingerprint.subclass import flatten, is_wrapper_subclass
+from ckptverify.trace import hostread
+from ckptverify.trace.sites import local_view
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,16 +38,10 @@ __all__ = ["HostViews", "combine", "host_digest", "host_view", "locate", "matche
            "weight"]
 
 
-_weights: dict[str, int] = {}
-_signatures: dict[tuple[Any, tuple[int, ...]], int] = {}
-
-
+@functools.cache
 def weight(name: str) -> int:
     """``w(name)``: a member's weight in its category cell, an odd 64-bit number drawn from its site name."""
-    w = _weights.get(name)
-    if w is None:
-        w = _weights[name] = xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass")) | 1
-    return w
+    return xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass")) | 1
 
 
 def combine(members: Sequence[int], weights: Sequence[int]) -> tuple[int, int]:
@@ -73,13 +71,10 @@ def matches(name: str, located: tuple[int, int]) -> bool:
     return weight(name) & ((1 << bits) - 1) == w
 
 
+@functools.cache
 def signature(dtype: Any, shape: tuple[int, ...]) -> int:
     """xxh3-128 of a dtype and shape: what a host tensor's byte digest is xor-ed with."""
-    key = (dtype, shape)
-    sig = _signatures.get(key)
-    if sig is None:
-        sig = _signatures[key] = xxhash.xxh3_128_intdigest(f"{dtype}|{shape}".encode())
-    return sig
+    return xxhash.xxh3_128_intdigest(f"{dtype}|{shape}".encode())
 
 
 def host_view(t: torch.Tensor) -> np.ndarray:
@@ -106,9 +101,6 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
     """The member digest of each tensor (unsigned 128-bit), in order: :func:`host_digest` on the host; on a device
     ``lane0 << 64 | lane1`` of the fingerprint, one batched pass and read-back per device. A DTensor stands for its
     local shard."""
-    from ckptverify.fingerprint.subclass import is_wrapper_subclass
-    from ckptverify.trace.sites import local_view
-
     out: list[int] = [0] * len(tensors)
     by_device: dict[Any, list[int]] = {}
     locals_ = [local_view(t) for t in tensors]
@@ -130,8 +122,6 @@ def subclass_digest(t: torch.Tensor) -> int:
     flatten context (uncanonical attributes by type) and each inner tensor's member digest."""
     import json
 
-    from ckptverify.fingerprint.subclass import flatten
-
     flat = flatten(t, strict=False)  # an attribute without a canonical form must not stop the run
     inner = tensor_digests([part for _, part in flat.parts])
     text = json.dumps({"class": flat.label, "dtype": str(t.dtype), "shape": list(t.shape), "context": flat.context,
@@ -144,7 +134,6 @@ def device_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
     """Member digests of tensors on one device (``lane0 << 64 | lane1`` of the fingerprint), computed there in one
     pass and read back once."""
     from ckptverify.fingerprint import kernels as kern
-    from ckptverify.trace import hostread
 
     return [(a & _MASK64) << 64 | (b & _MASK64) for a, b in hostread.to_host(kern.lanes_many(tensors))]
 
@@ -161,8 +150,6 @@ class HostViews:
 
     def __init__(self, tensors: Sequence[torch.Tensor], owners: Sequence[Any] | None = None) -> None:
         import torch
-
-        from ckptverify.fingerprint.subclass import is_wrapper_subclass
 
         self.tensors = list(tensors)
         #: Read data pointers from these to see a moved storage (e.g. the Parameter behind a state-dict alias).
@@ -193,8 +180,6 @@ class HostViews:
 
 def _pointer(t: Any) -> Any:
     """Where a tensor's values live (data pointer, or a subclass's parts'), to see them move."""
-    from ckptverify.fingerprint.subclass import flatten, is_wrapper_subclass
-
     if is_wrapper_subclass(t):
         return tuple(_pointer(part) for _, part in flatten(t).parts)
     return t.data_ptr()

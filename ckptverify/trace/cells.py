@@ -7,12 +7,16 @@ import json
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import xxhash
 
 from ckptverify.errors import UsageError
+from ckptverify.state.digest import state_digest
+from ckptverify.trace import category
+from ckptverify.trace.category import digest_lanes, host_digest, signature
 from ckptverify.trace.readback import _HOST_AS_DEVICE, _MASK64, _PLAIN_TYPES, Item, _Deferred, _digests_later, _on_host
 from ckptverify.trace.sites import is_dtensor, local_view
-from ckptverify.trace.store import Cell, hex_lanes
+from ckptverify.trace.store import Cell, bits_float, hex_lanes
 
 if TYPE_CHECKING:
     import torch
@@ -32,10 +36,6 @@ def _tensor_item(site: str, kind: str, t: torch.Tensor, info: str = "") -> Item:
 
 
 def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
-    import xxhash
-
-    from ckptverify.trace.category import digest_lanes, host_digest, signature, tensor_digests
-
     if t.is_cpu and not _HOST_AS_DEVICE and type(t).__name__ in _PLAIN_TYPES:
         if not t.requires_grad and t.is_contiguous():
             try:  # the common case (a batch, a module output without grad): no copy, no detach
@@ -46,14 +46,12 @@ def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
         return Cell(site, kind, digest_lanes(host_digest(t)), "digest128", info)
     # A tensor's member digest reads as bytes on the host, as its logical fingerprint on a device.
     encoding = "digest128" if _on_host(local_view(t)) else "fp128"
-    return Cell(site, kind, digest_lanes(tensor_digests([t])[0]), encoding, info)
+    return Cell(site, kind, digest_lanes(category.tensor_digests([t])[0]), encoding, info)
 
 
 def _summary(obj: Any) -> Any:
     """``obj`` with every tensor replaced by its member digest, dtype and shape (for composite digests)."""
-    from ckptverify.trace.category import tensor_digests
-
-    return _filled(_skeleton(obj), iter(tensor_digests(_tensor_leaves(obj, []))))
+    return _filled(_skeleton(obj), iter(category.tensor_digests(_tensor_leaves(obj, []))))
 
 
 def _tensor_leaves(obj: Any, out: list[Any]) -> list[Any]:
@@ -85,8 +83,6 @@ def _value_item(site: str, kind: str, obj: Any, info: str = "") -> Item:
     skeleton = _skeleton(obj)
 
     def finish(digests: list[int]) -> list[Cell]:
-        from ckptverify.state.digest import state_digest
-
         summary = _filled(skeleton, iter(digests))
         return [Cell(site, kind, hex_lanes(state_digest(summary)), "digest128", info)]
 
@@ -166,8 +162,6 @@ def _value_lanes(value: Any) -> tuple[int, int]:
     try:
         text = _json(value)
     except (TypeError, ValueError):
-        from ckptverify.state.digest import state_digest
-
         return hex_lanes(state_digest(_summary(value)))
     d = xxhash.xxh3_128_intdigest(b"J" + text.encode("utf-8", "surrogatepass"))
     return d >> 64, d & _MASK64
@@ -188,10 +182,7 @@ def _scaler_item(site: str, kind: str, scaler: Any) -> Item:
             "growth_interval": scaler._growth_interval}
 
     def make(values: list[int]) -> list[Cell]:
-        import struct
-
-        value = float(struct.unpack("<d", struct.pack("<q", values[0]))[0])
-        state = {"scale": value, **rest, "_growth_tracker": int(values[1])}
+        state = {"scale": bits_float(values[0]), **rest, "_growth_tracker": int(values[1])}
         return [Cell(site, kind, _value_lanes(state), "digest128")]
 
     return _Deferred(bits, make)
@@ -224,7 +215,6 @@ def _metric_item(name: str, value: Any) -> Item:
 def _metric_cell(name: str, value: Any) -> Cell:
     """A metric's exact value: numbers and one-element real tensors by their bits as float64/int64 (widening is
     exact), anything else by member or state digest."""
-    import numpy as np
     import torch
 
     site = f"metric.{name}"

@@ -5,19 +5,20 @@ objects; functional collectives name their group. Nothing here syncs with a devi
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import xxhash
 
 from ckptverify.trace.oplog import CommInfo
 
-__all__ = ["COMM_NAMESPACES", "comm_info", "comm_site", "group_label", "is_comm"]
+__all__ = ["COMM_NAMESPACES", "RECV", "UNSET", "argument", "bound", "comm_info", "comm_site", "group_label", "is_comm"]
 
 #: Dispatcher namespaces of collective and point-to-point ops.
 COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
 
-#: Functional ops that are no collective (waiting on one is where its output becomes valid).
-_NOT_COLLECTIVES = frozenset({"wait_tensor"})
+#: Point-to-point receives (c10d names); the one send is ``send``.
+RECV = frozenset({"recv_", "recv_any_source_"})
 
 #: ReduceOp enum values (``torch.distributed.ReduceOp.RedOpType``) by their integer.
 _REDUCE_NAMES = {0: "sum", 1: "avg", 2: "product", 3: "min", 4: "max", 5: "band", 6: "bor", 7: "bxor",
@@ -25,16 +26,33 @@ _REDUCE_NAMES = {0: "sum", 1: "avg", 2: "product", 3: "min", 4: "max", 5: "band"
 
 
 def is_comm(func: Any) -> bool:
-    """Whether the op overload ``func`` is a collective or point-to-point op (not a functional ``wait``)."""
+    """Whether the op overload ``func`` is a collective or point-to-point op (not ``wait_tensor``: waiting on a
+    functional collective is where its output becomes valid)."""
     if func.namespace not in COMM_NAMESPACES:
         return False
     name = _name(func)
-    return name not in _NOT_COLLECTIVES and not name.startswith(("barrier", "monitored_barrier", "_wrap_tensor"))
+    return name != "wait_tensor" and not name.startswith(("barrier", "monitored_barrier", "_wrap_tensor"))
 
 
 def _name(func: Any) -> str:
     """``allreduce_`` for ``c10d.allreduce_.default``."""
     return func._schema.name.split("::", 1)[-1]
+
+
+#: What :func:`bound` gives for an argument not passed.
+UNSET = object()
+
+
+def bound(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
+    """Each schema argument of an op call with the value passed for it, by position or name (:data:`UNSET` if
+    none)."""
+    for i, a in enumerate(func._schema.arguments):
+        yield a, (args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name, UNSET))
+
+
+def argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    """The value of argument ``name`` of an op call; ``None`` if not passed."""
+    return next((v for a, v in bound(func, args, kwargs) if a.name == name and v is not UNSET), None)
 
 
 def _group_of(obj: Any) -> tuple[int, ...] | None:
@@ -80,7 +98,7 @@ def _reduce_op(obj: Any) -> str | None:
 
 def _peer(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], group: tuple[int, ...]) -> int | None:
     """The global rank on the other side of a send or receive (its ``dstRank``/``srcRank`` is a group rank)."""
-    if name not in ("send", "recv_", "recv_any_source_"):
+    if name != "send" and name not in RECV:
         return None
     for value in (*args, *kwargs.values()):
         if isinstance(value, int) and not isinstance(value, bool):
@@ -103,11 +121,7 @@ def comm_info(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], counter:
         if reduce_op is None and isinstance(value, torch.ScriptObject) and "ReduceOp" in str(value._type()):
             reduce_op = _reduce_op(value)
     if func.namespace == "_c10d_functional" and reduce_op is None:
-        schema_args = [a.name for a in func._schema.arguments]
-        if "reduce_op" in schema_args:
-            i = schema_args.index("reduce_op")
-            value = args[i] if i < len(args) else kwargs.get("reduce_op")
-            reduce_op = _reduce_op(value)
+        reduce_op = _reduce_op(argument(func, args, kwargs, "reduce_op"))
     if group is None:
         return None
     counter[group] += 1

@@ -4,7 +4,10 @@ read as ``TrainState.fields()`` does."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Mapping
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -140,7 +143,6 @@ class _StateLayout:
         optim_flat = flat_names({"optim": optim_sd}) if optim_sd else {}
         param_flat = flat_names({"model": model_sd}) if model_sd else {}
         groups = [g for opt in state.optimizers for g in opt.param_groups]
-        self.structure = structure
         self.signature = _layout_signature(state, structure)
         self._pin = [opt.state for opt in state.optimizers]  # keeps ids in the signature unique
         self.optim_leaves = _Leaves(optim_flat, "optim.", "optim.", "optim", groups)
@@ -159,8 +161,7 @@ class _StateLayout:
         for _, v in tensors:
             local = local_view(v)
             key = (local.data_ptr(), local.dtype, tuple(local.shape)) if local.device.type == "cpu" else None
-            owner = owners.get(key) if key is not None else None
-            live.append(owner if owner is not None else local)
+            live.append(owners.get(key, local))
         self.params = _Members("param.*", "param", [f"param.{n[len('model.'):]}" for n, _ in tensors],
                                [v for _, v in tensors])
         buffers = non_persistent_buffers(state.model) if state.model is not None else []
@@ -172,8 +173,6 @@ class _StateLayout:
 
 def _layout_signature(state: TrainState, structure: int) -> list[Any]:
     """Cheap per step: what any change of the layout changes."""
-    from itertools import chain
-
     sig: list[Any] = [structure, id(state.model), len(state.optimizers)]
     for opt in state.optimizers:
         st = opt.state
@@ -208,22 +207,20 @@ class _Structure:
         self._handles.clear()
 
 
+@functools.cache
+def _counter_fields() -> tuple[type, tuple[str, ...]]:
+    """The built-in :class:`Counters` class and its field names (imported on first use: it imports torch)."""
+    from ckptverify.state.train_state import Counters
+
+    return Counters, tuple(f.name for f in dataclasses.fields(Counters))
+
+
 def _counters(counters: Any) -> dict[str, Any]:
     """``counters.state_dict()``, reading the built-in :class:`Counters` fields directly (no deep copy)."""
-    if not _COUNTERS:
-        import dataclasses
-
-        from ckptverify.state.train_state import Counters
-
-        _COUNTERS.append(Counters)
-        _COUNTERS.extend(f.name for f in dataclasses.fields(Counters))
-    if type(counters) is _COUNTERS[0]:
-        return {name: getattr(counters, name) for name in _COUNTERS[1:]}
+    cls, names = _counter_fields()
+    if type(counters) is cls:
+        return {name: getattr(counters, name) for name in names}
     return counters.state_dict()
-
-
-#: Counters class, then its field names (filled lazily: importing it here would import torch).
-_COUNTERS: list[Any] = []
 
 
 def _data_value(state: TrainState) -> Any:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import operator
+import struct
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ckptverify.trace.category import combine, weight
 from ckptverify.trace.cells import _SCALARS
 from ckptverify.trace.readback import Item, _Deferred, _on_host
 from ckptverify.trace.sites import is_dtensor
-from ckptverify.trace.store import Cell
+from ckptverify.trace.store import Cell, bits_float
 
 
 def _on_device(values: list[Any]) -> list[int]:
@@ -21,8 +25,6 @@ def _on_device(values: list[Any]) -> list[int]:
 
 
 def _hparam_cell(site: str, v: Any) -> Cell | None:
-    import numpy as np
-
     if isinstance(v, bool | np.bool_ | int | np.integer):
         return Cell.from_int(site, "hparam", int(v))
     if isinstance(v, float | np.floating):
@@ -88,8 +90,6 @@ class _HparamCells:
         return cells
 
     def _make(self, optimizers: list[Any], groups: list[Any]) -> list[Item]:
-        import struct
-
         spec = self._spec
         if spec is None or spec.shape != [*map(len, groups), len(optimizers)]:
             spec = self._spec = self._find(optimizers, groups)
@@ -116,8 +116,6 @@ class _HparamCells:
 
     def _packed(self, spec: _HparamSpec, values: list[Any], group: str) -> list[Cell]:
         """The cells of ``values``, packed by ``spec``: each member's value is its 64 bits."""
-        import struct
-
         packed = struct.pack(spec.fmt, *values)
         lows = list(struct.unpack(f"<{len(packed) // 8}Q", packed))
         encodings = ["f64" if k == "d" else "i64" for k in spec.fmt[1:]]
@@ -126,8 +124,6 @@ class _HparamCells:
     def _later(self, values: list[Any], on_device: list[int], spec: _HparamSpec, group: str) -> Item:
         """:meth:`_make` when some hyperparameters are device tensors (a ``capturable`` optimizer's lr): those are
         widened to float64 there, exactly as ``float(tensor)``, and read back with the step."""
-        import struct
-
         import torch
 
         bits = torch.cat([values[i].detach().reshape(1).to(torch.float64).view(torch.int64) for i in on_device])
@@ -138,7 +134,7 @@ class _HparamCells:
         def make(read: list[int]) -> list[Cell]:
             filled = list(kept)
             for i, b in zip(on_device, read, strict=True):
-                filled[i] = struct.unpack("<d", struct.pack("<q", b))[0]
+                filled[i] = bits_float(b)
             return self._packed(spec, filled, group)
 
         return _Deferred(bits, make)
@@ -156,8 +152,6 @@ class _HparamCells:
 
     def _find(self, optimizers: list[Any], groups: list[Any]) -> _HparamSpec:
         """Which entries are numbers, and how to pack them."""
-        import operator
-
         scalars: list[Any] = []
         counts: list[int] = []
         sequences: list[list[str]] = []

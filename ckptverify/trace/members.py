@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import ctypes
+from itertools import accumulate
+from operator import xor
 from typing import Any
 
-from ckptverify.trace.category import device_digests
+import xxhash
+
+from ckptverify.trace.category import HostViews, combine, device_digests, signature, weight
 from ckptverify.trace.readback import (
     _MASK64,
     Item,
@@ -22,8 +27,6 @@ class _Members:
     """The tensors of one category, in a fixed order: their site names, weights and encodings."""
 
     def __init__(self, group: str, kind: str, names: list[str], tensors: list[Any]) -> None:
-        from ckptverify.trace.category import weight
-
         self.group, self.kind, self.names = group, kind, names
         self.weights = [weight(n) for n in names]
         self.tensors = tensors
@@ -38,10 +41,6 @@ class _Digester:
     def __init__(self, categories: list[_Members], owners: list[Any]) -> None:
         """``owners``: what to read data pointers from to see a host member's storage move; the optimizer state is
         followed by identity elsewhere."""
-        from itertools import accumulate
-
-        from ckptverify.trace.category import HostViews
-
         self.categories = categories
         tensors = [t for c in categories for t in c.locals]
         self.count = len(tensors)
@@ -111,8 +110,6 @@ class _Digester:
 def _category_cells(group: str, kind: str, names: list[str], weights: list[int], encodings: list[str],
                     digests: list[int], detail: str) -> list[Cell]:
     """One cell per member at detail ``tensor``, then the category cell."""
-    from ckptverify.trace.category import combine
-
     cells: list[Cell] = []
     if detail == "tensor":
         cells = [Cell(n, kind, (d >> 64, d & _MASK64), e, "", group)
@@ -125,11 +122,7 @@ class _Gradients:
     """Every parameter of a model, for reading their ``.grad`` in ``named_parameters`` order."""
 
     def __init__(self, model: Any) -> None:
-        import ctypes
-
         import torch
-
-        from ckptverify.trace.category import signature, weight
 
         named = [(f"grad.{canonical_name(n)}", p) for n, p in _unwrap(model).named_parameters()]
         self.model = model
@@ -150,10 +143,6 @@ class _Gradients:
 
     def cells(self, detail: str) -> list[Item]:
         if self.fast:
-            from operator import xor
-
-            import xxhash
-
             grads = [p.grad for p in self.params]
             try:
                 if all(map(self._contiguous, grads)):
@@ -169,10 +158,7 @@ class _Gradients:
         present = [i for i, p in enumerate(self.params) if p.grad is not None]
         if not present:
             return []
-        grads = []
-        for i in present:
-            g = self.params[i].grad
-            grads.append(local_view(g))
+        grads = [local_view(self.params[i].grad) for i in present]
         names = [self.names[i] for i in present]
         weights = [self.weights[i] for i in present]
         encodings = [self.encodings[i] for i in present]

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptverify.errors import JSONError
+from ckptverify.errors import CkptVerifyError, JSONError, UsageError
+from ckptverify.safeparse import safejson
 
 __all__ = ["OP_LOG_VERSION", "PHASES", "CommInfo", "OpArgument", "OpEvent", "OpKey", "OpWindow", "make_event",
            "op_log_path", "op_steps", "ops_dropped", "read_ops", "window_from_dict"]
@@ -130,8 +131,6 @@ def _store(trace_dir_or_store: str | os.PathLike[str], rank: int) -> Path:
 
 def _op_log(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) -> Any:
     """The parsed op log of ``step`` on ``rank``, checked."""
-    from ckptverify.errors import CkptVerifyError
-    from ckptverify.safeparse import safejson
     from ckptverify.trace.store import _read_file
 
     store = _store(trace_dir_or_store, rank)
@@ -221,10 +220,6 @@ def op_steps(trace_dir_or_store: str | os.PathLike[str], rank: int) -> list[int]
 
 def window_from_dict(data: Any) -> OpWindow:
     """An :class:`OpWindow` from its JSON form; :class:`~ckptverify.errors.UsageError` otherwise."""
-    from ckptverify.errors import UsageError
-
-    if isinstance(data, OpWindow):
-        return data
     if not isinstance(data, dict):
         raise UsageError(f"an op window is a JSON object, not {type(data).__name__}")
     known = {"steps", "ranks", "modules", "max_ops", "capture", "capture_path"}

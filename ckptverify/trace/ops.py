@@ -11,6 +11,7 @@ attributed to the wrong module when autograd interleaves independent branches.""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -20,10 +21,16 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import xxhash
+
 from ckptverify.ownfiles.names import own_folder, write_atomic
-from ckptverify.trace.comm import COMM_NAMESPACES, _name, comm_info, comm_site, is_comm
+from ckptverify.trace import kernel
+from ckptverify.trace.category import host_digest
+from ckptverify.trace.cells import _tensor_item
+from ckptverify.trace.comm import COMM_NAMESPACES, RECV, UNSET, _name, argument, bound, comm_info, comm_site, is_comm
 from ckptverify.trace.oplog import MAX_ARGUMENT_NAME, MAX_ARGUMENT_TEXT, OP_LOG_VERSION, CommInfo, OpWindow, op_log_path
-from ckptverify.trace.readback import _pair_digests
+from ckptverify.trace.readback import _on_host, _pair_digests
+from ckptverify.trace.sites import is_dtensor
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "ORDER_SENSITIVE", "OpContext", "StepTracer", "write_op_log"]
 
@@ -49,10 +56,8 @@ _OVERWRITE = frozenset({"copy_", "fill_", "zero_", "random_", "uniform_", "norma
 _RESIZE = frozenset({"resize_", "resize_as_"})
 
 
-#: c10d ops that read and write their first tensor list in place; point-to-point.
+#: c10d ops that read and write their first tensor list in place.
 _INPLACE_COMM = frozenset({"allreduce_", "allreduce_coalesced_", "broadcast_", "reduce_"})
-_SEND = frozenset({"send"})
-_RECV = frozenset({"recv_", "recv_any_source_"})
 
 
 class OpContext:
@@ -99,19 +104,12 @@ class _Digests:
         # Collective outputs are digested on gloo's worker thread: append and index must be atomic.
         self._lock = threading.Lock()
 
-    def _lane(self, lanes: Any) -> tuple[str, int]:
-        with self._lock:
-            self.lanes.append(lanes)
-            return "dev", len(self.lanes) - 1
-
     def reset(self) -> None:
         self.lanes = []
         self._seen.clear()
 
     def __call__(self, t: Any) -> Any:
         import torch
-
-        from ckptverify.trace.sites import is_dtensor
 
         if is_dtensor(t):
             t = t.to_local()
@@ -150,15 +148,14 @@ class _Digests:
         return [self._fresh(flat[i:i + size]) for i in range(0, flat.numel(), size)]
 
     def _fresh(self, t: Any) -> Any:
-        from ckptverify.trace.readback import _on_host
-
         if _on_host(t):
-            from ckptverify.trace.category import host_digest
-
             return host_digest(t)
         from ckptverify.fingerprint import kernels as kern
 
-        return self._lane(kern.lanes_many([t.detach()]))
+        lanes = kern.lanes_many([t.detach()])
+        with self._lock:
+            self.lanes.append(lanes)
+            return "dev", len(self.lanes) - 1
 
 
 def _work_of(result: Any) -> Any:
@@ -192,7 +189,7 @@ def _after_read(tensors: list[Any]) -> tuple[Any, Any] | None:
 
 
 def _wait_for(events: list[tuple[Any, Any]]) -> None:
-    """Make each device's current stream (where the row is read back) wait for ``events``, without a host wait."""
+    """Make each device's current stream wait for ``events``, without a host wait."""
     import torch
 
     for device, event in events:
@@ -228,6 +225,13 @@ class StepTracer:
         self.ops_on = False
         #: Above 0 during the recorder's own tensor work: not traced.
         self.quiet = 0
+        #: Moves at each begin and end, so a late callback of another step takes nothing.
+        self._generation = 0
+        self._nvtx = False
+        self._new_step()
+
+    def _new_step(self) -> None:
+        """Forget the ops and collectives of the step before."""
         self.events: list[dict[str, Any]] = []
         self.dropped = 0
         self._occ: dict[tuple[str, str, str], int] = {}
@@ -236,18 +240,11 @@ class StepTracer:
         self._pending: list[tuple[list[Any], list[str], str, int, list[int]]] = []
         self._callbacks: list[Any] = []
         self._read_events: list[Any] = []
-        #: Moves at each begin and end, so a late callback of another step takes nothing.
-        self._generation = 0
         #: Functional collective results not waited on (in flight). A c10d op's buffers are not tracked: its
         #: ``Work`` is waited on out of sight, so later readers read them complete.
         self._flying: set[int] = set()
-        self._nvtx = False
-
-    def _module_in_window(self, module: str) -> bool:
-        mods = self.window.modules if self.window is not None else None
-        if mods is None:
-            return True
-        return any(module == m or module.startswith(m + ".") for m in mods)
+        self._digests.reset()
+        self.context.reset()
 
     def begin(self, step: int) -> None:
         """Start traced step ``step``: enter the dispatch mode in the op window, else route collectives through
@@ -258,21 +255,10 @@ class StepTracer:
         self.ops_on = (w is not None and (w.steps is None or step in w.steps)
                        and (w.ranks is None or self.rank in w.ranks))
         if self.ops_on:
-            from ckptverify.trace.kernel import nvtx_enabled
-
             # NVTX range per op so `nsys` maps kernels to sites (docs/locate.md).
-            self._nvtx = nvtx_enabled()
-        self.events = []
-        self.dropped = 0
-        self._occ.clear()
-        self._comm_occ.clear()
-        self._pending = []
-        self._callbacks = []
-        self._read_events = []
+            self._nvtx = kernel.nvtx_enabled()
+        self._new_step()
         self._generation += 1
-        self._flying.clear()
-        self._digests.reset()
-        self.context.reset()
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         ctx = self.context
@@ -352,8 +338,6 @@ class StepTracer:
         k = self._comm_occ.get((info.group, info.collective), 0)
         self._comm_occ[(info.group, info.collective)] = k + 1
         note = _comm_note(info, ins or outs)
-        from ckptverify.trace.cells import _tensor_item
-
         many = len(ins) > 1
         for i, t in enumerate(ins):
             self._emit(_tensor_item(comm_site(info, k, "in", i if many else None), "comm_in", t.detach(), note))
@@ -369,7 +353,7 @@ class StepTracer:
             index = before if len(self.events) > before else -1
             places = [self._emit(None) for _ in outs]
             entry = (outs, sites, note, index, places)
-            if functional or not self._at_completion(result, entry, _argument(func, args, kwargs, "async_op")):
+            if functional or not self._at_completion(result, entry, argument(func, args, kwargs, "async_op")):
                 self._pending.append(entry)
         return result
 
@@ -377,8 +361,6 @@ class StepTracer:
                        async_op: Any) -> bool:
         """Take the c10d op's outputs when its work completes (a future callback holding weak references only);
         ``False`` when the work has no future, so the caller keeps them until the step ends."""
-        import torch
-
         work = _work_of(result)
         if work is None:
             return False
@@ -406,11 +388,10 @@ class StepTracer:
                 self._read_events.append(after)
 
         self._callbacks.append(future.then(taken))
-        if read and async_op is False:
+        if async_op is False:
             # NCCL runs the callback inline at enqueue: the issuing stream must not overwrite the output (FSDP2's
             # division) before the fingerprint has read it.
-            device, event = read[0]
-            torch.cuda.current_stream(device).wait_event(event)
+            _wait_for(read)
         return True
 
     def _comm_tensors(self, func: Any, args: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
@@ -421,9 +402,9 @@ class StepTracer:
         first = _leaves(args[0]) if args else []
         if name in _INPLACE_COMM:
             return first, first
-        if name in _SEND:
+        if name == "send":
             return first, []
-        if name in _RECV:
+        if name in RECV:
             return [], first
         return (_leaves(args[1]) if len(args) > 1 else []), first
 
@@ -440,8 +421,6 @@ class StepTracer:
         self._pending = keep
 
     def _complete(self, entry: tuple[list[Any], list[str], str, int, list[int]]) -> None:
-        from ckptverify.trace.cells import _tensor_item
-
         tensors, sites, note, index, places = entry
         self._flying.difference_update(id(t) for t in tensors)
         for t, site, place in zip(tensors, sites, places, strict=True):
@@ -452,22 +431,22 @@ class StepTracer:
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, comm: CommInfo | None = None,
                 already: Any = None) -> Any:
         phase, module = self.context.where()
-        if not self._module_in_window(module):
+        w = self.window
+        assert w is not None
+        if w.modules is not None and not any(module == m or module.startswith(m + ".") for m in w.modules):
             return func(*args, **kwargs) if already is None else already
-        if len(self.events) >= self.window.max_ops:  # type: ignore[union-attr]
+        if len(self.events) >= w.max_ops:
             self.dropped += 1
             return func(*args, **kwargs) if already is None else already
         op = str(func)
         key3 = (phase, module, op)
         occ = self._occ.get(key3, 0)
         self._occ[key3] = occ + 1
-        w = self.window
-        assert w is not None
         if w.capture is not None and tuple(w.capture) == (self.step, phase, module, op, occ):
             _capture(w.capture_path, op, args, kwargs)
         name = _name(func)
         digest = self._digests
-        if comm is not None and name in _RECV:
+        if comm is not None and name in RECV:
             ins: list[Any] = [None for _ in _leaves(args)]
         else:
             # Not inputs: out= buffers, collective buffers in flight, a self the op overwrites whole.
@@ -483,9 +462,7 @@ class StepTracer:
         if already is not None:
             out = already
         elif self._nvtx:
-            from ckptverify.trace.kernel import nvtx_site, site_name
-
-            with nvtx_site(site_name((self.step, phase, module, op, occ))):
+            with kernel.nvtx_site(kernel.site_name((self.step, phase, module, op, occ))):
                 out = func(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
@@ -501,7 +478,7 @@ class StepTracer:
             outs = [None] * len(results)
             for t in results:
                 digest.uninitialised(t)
-        elif name in ("copy_", "_to_copy", "to") and _argument(func, args, kwargs, "non_blocking"):
+        elif name in ("copy_", "_to_copy", "to") and argument(func, args, kwargs, "non_blocking"):
             outs = [None] * len(results)
         else:
             returns = func._schema.returns
@@ -534,51 +511,30 @@ class StepTracer:
         return out
 
 
-_OUT_ARGS: dict[Any, frozenset[str]] = {}
-
-
 def _allocates(name: str) -> bool:
     """Whether an op of this name returns memory it does not write (an ``empty*`` allocation)."""
     return name in _EMPTY or name.startswith(("empty_", "new_empty", "_empty"))
 
 
-def _argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
-    """The value of argument ``name`` of an op call, by position or name; ``None`` if not passed."""
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == name:
-            return args[i] if i < len(args) and not a.kwarg_only else kwargs.get(name)
-    return None
-
-
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """The tensors an op writes through its arguments (``Tensor(a!)``), in schema order."""
-    out: list[Any] = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-        out.extend(_leaves(value))
-    return out
+    return [t for a, value in bound(func, args, kwargs) if a.alias_info is not None and a.alias_info.is_write
+            for t in _leaves(value)]
 
 
 def _arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[Any]]:
     """``[name, digest, text]`` of each non-tensor argument in schema order, a default standing for an omitted
     argument (so both calls match); ``text`` only for small values."""
     import torch
-    import xxhash
 
     out: list[list[Any]] = []
-    for i, a in enumerate(func._schema.arguments):
+    for a, value in bound(func, args, kwargs):
         if getattr(a, "is_out", False):
             continue
-        if i < len(args) and not a.kwarg_only:
-            value = args[i]
-        elif a.name in kwargs:
-            value = kwargs[a.name]
-        elif a.has_default_value():
+        if value is UNSET:
+            if not a.has_default_value():
+                continue
             value = a.default_value
-        else:
-            continue
         if isinstance(value, torch.Tensor):
             continue
         parts: list[str] = []
@@ -620,8 +576,6 @@ def _encode(value: Any, parts: list[str]) -> bool:
         parts.append("]")
         return small
     elif isinstance(value, torch.Generator):
-        import xxhash
-
         state = value.get_state()
         parts.append(f"g{value.device}:{xxhash.xxh3_128_hexdigest(state.numpy().tobytes())}")
         return False
@@ -638,12 +592,10 @@ def _text(value: Any) -> str | None:
     return text if len(text) <= MAX_ARGUMENT_TEXT else None
 
 
+@functools.cache
 def _out_arguments(func: Any) -> frozenset[str]:
     """Names of the out= arguments of an op overload (write-only buffers)."""
-    names = _OUT_ARGS.get(func)
-    if names is None:
-        names = _OUT_ARGS[func] = frozenset(a.name for a in func._schema.arguments if getattr(a, "is_out", False))
-    return names
+    return frozenset(a.name for a in func._schema.arguments if getattr(a, "is_out", False))
 
 
 def _comm_note(info: CommInfo, tensors: list[Any]) -> str:
@@ -767,11 +719,9 @@ def write_op_log(store: str | os.PathLike[str], step: int, records: list[dict[st
     def resolve(v: Any) -> str | None:
         return None if v is None else f"{digests[v[1]] if isinstance(v, tuple) else v:032x}"
 
-    events = []
-    for r in records:
-        events.append({**r, "i": [resolve(v) for v in r["i"]], "u": [resolve(v) for v in r["u"]],
-                       "c": None if r["c"] is None else [None if c is None else [resolve(x) for x in c]
-                                                         for c in r["c"]]})
+    events = [{**r, "i": [resolve(v) for v in r["i"]], "u": [resolve(v) for v in r["u"]],
+               "c": None if r["c"] is None else [None if c is None else [resolve(x) for x in c] for c in r["c"]]}
+              for r in records]
     path = op_log_path(store, step)
     own_folder(path.parent)
     write_atomic(path, json.dumps({"version": OP_LOG_VERSION, "step": int(step), "dropped": int(dropped),

@@ -11,12 +11,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.fingerprint.spec import MASK64 as _MASK64
-from ckptverify.trace import hostread
+from ckptverify.fingerprint.subclass import is_wrapper_subclass
+from ckptverify.trace import category, hostread
 from ckptverify.trace.store import Cell
 
 if TYPE_CHECKING:
     import torch
-
 
 #: Host tensors take the device path, so CPU-only machines (the tests) run it; such traces compare only with
 #: traces recorded the same way.
@@ -25,8 +25,6 @@ _HOST_AS_DEVICE = os.environ.get("CKPTVERIFY_TRACE_HOST_AS_DEVICE") == "1"
 
 def _has_parts(t: Any) -> bool:
     """A wrapper subclass (MXTensor, ...): digested now by its parts, never batched as one tensor."""
-    from ckptverify.fingerprint.subclass import is_wrapper_subclass
-
     return type(t).__name__ not in _PLAIN_TYPES and is_wrapper_subclass(t)
 
 
@@ -115,13 +113,12 @@ def _digests_later(tensors: list[Any], finish: Callable[[list[int]], list[Cell]]
     """``finish(digests)`` of the member digests of plain local ``tensors``: host ones now, device ones in one
     batched pass read back with the step. Returns the cells, or one deferred item making them."""
     from ckptverify.fingerprint import kernels as kern
-    from ckptverify.trace.category import tensor_digests
 
     device = [i for i, t in enumerate(tensors) if not _on_host(t) and not _has_parts(t)]
     if len({tensors[i].device for i in device}) != 1:  # all on the host, or several accelerators: read now
-        return list(finish(tensor_digests(tensors)))
+        return list(finish(category.tensor_digests(tensors)))
     host = [i for i, t in enumerate(tensors) if _on_host(t) or _has_parts(t)]
-    known = dict(zip(host, tensor_digests([tensors[i] for i in host]), strict=True))
+    known = dict(zip(host, category.tensor_digests([tensors[i] for i in host]), strict=True))
     lanes = kern.lanes_many([tensors[i] for i in device])
 
     def make(values: list[int]) -> list[Cell]:

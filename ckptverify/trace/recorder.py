@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +38,7 @@ from ckptverify.trace.hyperparams import _HparamCells
 from ckptverify.trace.members import _Gradients
 from ckptverify.trace.oplog import OpWindow
 from ckptverify.trace.ops import DEFAULT_CHUNK_ELEMENTS, OpContext, StepTracer, write_op_log
-from ckptverify.trace.readback import Item, _Deferred, _ReadBack
+from ckptverify.trace.readback import _HOST_AS_DEVICE, Item, _Deferred, _ReadBack
 from ckptverify.trace.sites import (
     _FIELD_ORDER,
     _WRAPPER_PARTS,
@@ -91,11 +93,6 @@ class TraceRecorder:
         self.writer = TraceWriter(self.store_path, header=self.header, flush_every=flush_every, overwrite=overwrite)
         self._model: Any = None
         self._handles: list[Any] = []
-        self._module_cells: list[Cell] = []
-        self._occurrences: dict[tuple[str, str], int] = {}
-        self._grad_cells: list[Item] | None = None
-        self._hparam_cells: list[Cell] = []
-        self._start_cells: list[Cell] = []
         self._optimizers: list[Any] = []
         self._paused = 0
         self._structure: _Structure | None = None
@@ -112,13 +109,10 @@ class TraceRecorder:
         self._hook_warning = _HookWarningGuard()
         self._pending: tuple[int, _ReadBack] | None = None
         self._pinned: dict[Any, Any] = {}
-        # Running forwards are the context's frames (the tracer reads where an op runs from them). Recompute pairing:
-        # the step's calls (name, occurrence, children), calls per module, calls already repeated.
+        # Running forwards are the context's frames (the tracer reads where an op runs from them).
         self._context = OpContext()
         self._frames = self._context.forward
-        self._calls: list[tuple[str, int, list[int]]] = []
-        self._calls_of: dict[str, list[int]] = {}
-        self._paired: set[int] = set()
+        self._forget_step()
         self._tracer: StepTracer | None = None
         self._step_started: int | None = None
         self._last_step = 0
@@ -303,10 +297,8 @@ class TraceRecorder:
             if self._paused:
                 return
             stack = self._context.backward
-            for i in range(len(stack) - 1, -1, -1):
-                if stack[i] == name:
-                    del stack[i]
-                    break
+            if name in stack:
+                del stack[len(stack) - 1 - stack[::-1].index(name)]
             with self._own_work():
                 site = module_site(name, "bwd", self._next(name, "bwd"))
                 self._module_cells.append(_value_item(site, "module_grad_in", grad_input, cls))
@@ -316,15 +308,16 @@ class TraceRecorder:
 
     def _forget_step(self) -> None:
         """Drop what the hooks gathered for the step."""
-        self._module_cells = []
-        self._start_cells = []
-        self._grad_cells = None
-        self._hparam_cells = []
-        self._occurrences.clear()
+        self._module_cells: list[Item | None] = []
+        self._start_cells: list[Cell] = []
+        self._grad_cells: list[Item] | None = None
+        self._hparam_cells: list[Item] = []
+        self._occurrences: dict[tuple[str, str], int] = {}
         self._frames.clear()
-        self._calls.clear()
-        self._calls_of.clear()
-        self._paired.clear()
+        # Recompute pairing: the step's calls (name, occurrence, children), calls per module, calls already repeated.
+        self._calls: list[tuple[str, int, list[int]]] = []
+        self._calls_of: dict[str, list[int]] = {}
+        self._paired: set[int] = set()
 
     def begin_skipped_step(self) -> None:
         """A step that will not be recorded begins: hooks gather nothing until :meth:`skip_step`."""
@@ -402,7 +395,6 @@ class TraceRecorder:
         the state's categories and fields; ``comm``/``module``/``op`` add their sites (site names:
         ``docs/trace.md``). Lower levels ignore what they do not record. Steps must increase; on several ranks every
         rank must call this for every step."""
-
         op_items: list[Item] = []
         if self._tracer is not None and self._tracer.active:
             started = self._step_started
@@ -449,10 +441,6 @@ class TraceRecorder:
     def _fill_encoding(self, state: TrainState | None, batch: Any, metrics: Mapping[str, Any] | None) -> None:
         """Set the header's ``digest_encoding`` from where the first row's tensors live (the model's parameters, else
         the batch or a metric); a row of numbers only leaves it ``unknown``."""
-        from dataclasses import replace
-
-        from ckptverify.trace.readback import _HOST_AS_DEVICE
-
         found = None
         if self.records_state:
             model = state.model if state is not None and state.model is not None else self._model
@@ -547,20 +535,13 @@ class TraceRecorder:
 
     def _field_cells(self, state: TrainState, rng: list[Cell]) -> list[Cell]:
         """One digest cell per non-tensor field of ``state``, exactly ``state_digest`` of what
-        ``TrainState.fields()`` returns for it (random streams come in ``rng``)."""
+        ``TrainState.fields()`` returns for it (random streams come in ``rng``); the caller orders them by kind."""
         values: dict[str, Any] = {"counters": _counters(state.counters)}
-        for i, sched in enumerate(state.schedulers):
-            values[f"scheduler.{i}"] = sched.state_dict()
+        values.update((f"scheduler.{i}", sched.state_dict()) for i, sched in enumerate(state.schedulers))
         if state.dataloader is not None:
             values["data"] = _data_value(state)
-        cells = [self._field_cell(name, value) for name, value in values.items()]
-        cells.extend(rng)
-        for name, obj in state.extras.items():
-            cells.append(self._field_cell(f"extras.{name}", obj.state_dict()))
-        return cells
-
-    def _field_cell(self, name: str, value: Any) -> Cell:
-        return Cell(name, _field_kind(name), _value_lanes(value), "digest128")
+        values.update((f"extras.{name}", obj.state_dict()) for name, obj in state.extras.items())
+        return [*(Cell(name, _field_kind(name), _value_lanes(v), "digest128") for name, v in values.items()), *rng]
 
     def step_digests(self, step: int, tensors: list[Any]) -> list[int | None]:
         """The member digests the row of ``step`` (one of the last two) holds for ``tensors``, matched by storage;
@@ -631,8 +612,6 @@ class _HookWarningGuard:
         """Module ``name``'s backward pre-hook fires: silence the warning if it is about to be given for us."""
         if name not in self._grad_free or name in self._needs_grad or not _only_our_hooks(module):
             return
-        import warnings
-
         held = warnings.catch_warnings()
         held.__enter__()
         warnings.filterwarnings("ignore", message=_HOOK_WARNING, category=UserWarning)

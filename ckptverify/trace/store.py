@@ -128,13 +128,10 @@ class TraceHeader:
     digest_encoding: str = "unknown"
 
     def __post_init__(self) -> None:
-        if self.digest_encoding not in DIGEST_ENCODINGS:
-            raise UsageError(f"unknown digest encoding {self.digest_encoding!r}; choose one of "
-                             f"{', '.join(DIGEST_ENCODINGS)}")
-        if self.level not in LEVELS:
-            raise UsageError(f"unknown trace level {self.level!r}; choose one of {', '.join(LEVELS)}")
-        if self.detail not in DETAILS:
-            raise UsageError(f"unknown trace detail {self.detail!r}; choose one of {', '.join(DETAILS)}")
+        for what, value, known in (("digest encoding", self.digest_encoding, DIGEST_ENCODINGS),
+                                   ("trace level", self.level, LEVELS), ("trace detail", self.detail, DETAILS)):
+            if value not in known:
+                raise UsageError(f"unknown {what} {value!r}; choose one of {', '.join(known)}")
         if self.schema != TRACE_SCHEMA:
             raise CkptVerifyError(f"not a trace header: schema {self.schema!r}")
         if self.schema_version != TRACE_SCHEMA_VERSION:
@@ -232,10 +229,15 @@ def lanes_hex(lanes: Sequence[int]) -> str:
     return f"{int(lanes[0]) & _MASK64:016x}{int(lanes[1]) & _MASK64:016x}"
 
 
+def bits_float(bits: int) -> float:
+    """The float64 whose bits are ``bits`` (signed or unsigned 64-bit)."""
+    return struct.unpack("<d", struct.pack("<Q", int(bits) & _MASK64))[0]
+
+
 def decode(lanes: Sequence[int], encoding: str) -> float | int | str:
     """A cell's value: a float (``f64``), an int (``i64``) or 32 hex digits (fingerprints, digests)."""
     if encoding == "f64":
-        return struct.unpack("<d", struct.pack("<Q", int(lanes[0]) & _MASK64))[0]
+        return bits_float(lanes[0])
     if encoding == "i64":
         v = int(lanes[0]) & _MASK64
         return v - (1 << 64) if v >= 1 << 63 else v
@@ -250,9 +252,6 @@ def rank_store_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
 def is_store(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is one rank's trace store (rather than a run's trace directory)."""
     return (Path(path) / "zarr.json").is_file()
-
-
-# ------------------------------------------------------------------------------------------- writer
 
 
 class TraceWriter:
@@ -312,8 +311,6 @@ class TraceWriter:
             raise UsageError("the header of a trace store can only change before its first row is written")
         self.header = header
         self._group.update_attributes({"header": header.to_dict()})
-
-    # -------------------------------------------------------------- appending
 
     @property
     def rows(self) -> int:
@@ -380,8 +377,6 @@ class TraceWriter:
             self._position = {c: i for i, c in enumerate(self._order)}
         self._sites_version += 1
         return col
-
-    # -------------------------------------------------------------- writing
 
     def flush(self) -> None:
         """Write the buffered rows and wait until every row handed over so far is committed."""
@@ -475,9 +470,6 @@ class TraceWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# ------------------------------------------------------------------------------------------- reader
 
 
 @dataclass(frozen=True, slots=True)
@@ -743,10 +735,7 @@ class Trace:
         return self._rows
 
     def site(self, name: str) -> Site:
-        col = self._columns.get(name)
-        if col is None:
-            raise KeyError(name)
-        return self._by_column[col]
+        return self._by_column[self._columns[name]]
 
     def has_site(self, name: str) -> bool:
         return name in self._columns
@@ -794,9 +783,7 @@ class Trace:
     def value(self, step: int, site: str) -> float | int | str | None:
         """``site``'s value at ``step`` (hex digits, or the number for ``f64``/``i64``); ``None`` when absent."""
         lanes = self.lanes(step, site)
-        if lanes is None:
-            return None
-        return decode(lanes, self._by_column[self._columns[site]].encoding)
+        return None if lanes is None else decode(lanes, self.site(site).encoding)
 
     def hex(self, step: int, site: str) -> str | None:
         """``site``'s raw 128 bits at ``step`` as 32 hex digits; ``None`` when absent."""
@@ -812,12 +799,8 @@ class Trace:
         if row is None:
             raise KeyError(step)
         values, present = self._row(row)
-        out: dict[str, float | int | str] = {}
-        for site in self.sites:
-            col = self._columns[site.name]
-            if present[col]:
-                out[site.name] = decode(values[col], site.encoding)
-        return TraceRow(int(step), out)
+        columns = zip(self.sites, self._order.tolist(), strict=True)
+        return TraceRow(int(step), {s.name: decode(values[col], s.encoding) for s, col in columns if present[col]})
 
     def __iter__(self) -> Iterator[TraceRow]:
         """Rows in step order, each with its sites in execution order."""

@@ -18,6 +18,7 @@ from typing import Any
 from ckptverify.errors import UsageError
 from ckptverify.findings import Finding, Location, info, warning
 from ckptverify.resume.causes import ranks_text
+from ckptverify.trace.comm import RECV
 from ckptverify.trace.compare import merged_order
 from ckptverify.trace.oplog import OpEvent, OpKey
 
@@ -43,8 +44,7 @@ class OpSite:
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
 
     def describe(self) -> str:
-        where = f" in {self.module}" if self.module else ""
-        return f"{self.op} (occurrence {self.occurrence}, {self.phase}{where})"
+        return f"{self.op} ({_where(self.occurrence, self.phase, self.module)})"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -219,7 +219,7 @@ class Located:
         if o.op is None or o.occurrence is None:
             return (f"The divergence at step {self.step} is born on {who} at different ops: "
                     + "; ".join(f"rank {x.rank}: {x.op} (occurrence {x.occurrence})" for x in self.origins))
-        site = f"{o.op} (occurrence {o.occurrence}, {o.phase}{f' in {o.module}' if o.module else ''})"
+        site = f"{o.op} ({_where(o.occurrence, o.phase, o.module)})"
         count = f"in {o.repeats_differing} of {self.repeats} repeat pairs"
         if self.seen_in in ("a", "b"):
             pairs = self.side_pairs[0 if self.seen_in == "a" else 1]
@@ -244,8 +244,8 @@ class Located:
         if self.arguments:
             named = ", ".join(f"{x['name']}: {x['a']} vs {x['b']}" if x["a"] is not None and x["b"] is not None
                               else f"{x['name']} differs" for x in self.arguments)
-            where = f"occurrence {o.occurrence}, {o.phase}{f' in {o.module}' if o.module else ''}"
-            return (f"The divergence at step {self.step} is born on {who} at {o.op} {named} ({where}): its tensor "
+            return (f"The divergence at step {self.step} is born on {who} at {o.op} {named} "
+                    f"({_where(o.occurrence, o.phase, o.module)}): its tensor "
                     f"inputs are equal and {_plural(len(self.arguments), 'argument')} other than a tensor "
                     f"{'differs' if len(self.arguments) == 1 else 'differ'} ({count})")
         if self.rewired:
@@ -327,6 +327,11 @@ class Located:
         return text + ": the step is not deterministic there, but the sides part elsewhere"
 
 
+def _where(occurrence: int | None, phase: str | None, module: str | None) -> str:
+    """``occurrence k, phase[ in module]``: where an op ran, as every sentence names it."""
+    return f"occurrence {occurrence}, {phase}{f' in {module}' if module else ''}"
+
+
 def _plural(n: int, word: str) -> str:
     return f"one {word}" if n == 1 else f"{n} {word}s"
 
@@ -372,15 +377,13 @@ def _output_difference(a: OpEvent, b: OpEvent) -> dict[str, Any] | None:
     """The first differing output of two events of one key (``None``: outputs equal)."""
     if len(a.outputs) != len(b.outputs):
         return {"index": min(len(a.outputs), len(b.outputs))}
+    def at(values: Sequence[Any], i: int) -> Any:
+        return values[i] if i < len(values) else None
+
     for i, (x, y) in enumerate(zip(a.outputs, b.outputs, strict=True)):
-        shape_a = a.shapes[i] if i < len(a.shapes) else None
-        shape_b = b.shapes[i] if i < len(b.shapes) else None
-        dtype_a = a.dtypes[i] if i < len(a.dtypes) else None
-        dtype_b = b.dtypes[i] if i < len(b.dtypes) else None
-        chunks_a = a.chunks[i] if i < len(a.chunks) else None
-        chunks_b = b.chunks[i] if i < len(b.chunks) else None
-        chunk = _chunk_difference(chunks_a, chunks_b)
-        if _differs(x, y) or shape_a != shape_b or dtype_a != dtype_b or chunk is not None:
+        chunk = _chunk_difference(at(a.chunks, i), at(b.chunks, i))
+        if (_differs(x, y) or at(a.shapes, i) != at(b.shapes, i) or at(a.dtypes, i) != at(b.dtypes, i)
+                or chunk is not None):
             out: dict[str, Any] = {"index": i}
             if chunk is not None and a.chunk_elements > 0:
                 start = chunk * a.chunk_elements
@@ -471,7 +474,7 @@ class _Pair:
     def sends_to(self, peer: int) -> list[tuple[OpEvent, OpEvent | None]]:
         """This rank's sends to ``peer`` in A's order, each with B's event of the same key."""
         return [(e, self.kb.get(e.key)) for e in self.a
-                if e.comm is not None and e.comm.peer == peer and not _is_recv(e.comm.collective)]
+                if e.comm is not None and e.comm.peer == peer and e.comm.collective not in RECV]
 
     def first(self) -> _First | None:
         if self._first is False:
@@ -520,10 +523,6 @@ class _Pair:
         return produced, seen
 
 
-def _is_recv(name: str) -> bool:
-    return name.startswith("recv") or name in ("irecv",)
-
-
 def _site(rank: int, e: OpEvent) -> OpSite:
     return OpSite(rank=rank, step=e.step, phase=e.phase, module=e.module, op=e.op, occurrence=e.occurrence)
 
@@ -560,7 +559,7 @@ def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -
     comm = first.event.comm
     if comm is None:
         return _Verdict("op", first)
-    if comm.peer is not None and _is_recv(comm.collective):
+    if comm.peer is not None and comm.collective in RECV:
         via = Via(collective=comm.collective, group=comm.group, seq=comm.seq, senders=(comm.peer,))
         if _peer_sent_differently(rank, first.event, pairs) is False:
             return _Verdict("collective", first)
@@ -601,7 +600,7 @@ def _peer_sent_differently(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]
     peer = pairs.get(comm.peer)
     if peer is None:
         return None
-    mine = [e for e in pairs[rank].a if e.comm is not None and e.comm.peer == comm.peer and _is_recv(e.comm.collective)]
+    mine = [e for e in pairs[rank].a if e.comm is not None and e.comm.peer == comm.peer and e.comm.collective in RECV]
     k = next((i for i, e in enumerate(mine) if e.key == event.key), None)
     sends = peer.sends_to(rank)
     if k is None or k >= len(sends) or sends[k][1] is None:
@@ -626,7 +625,7 @@ def _through_unseen_output(rank: int, first: _First, pairs: Mapping[int, _Pair])
         if e.comm is None or other is None or not (_unseen(e) or _unseen(other)):
             continue
         c = e.comm
-        if c.peer is not None and _is_recv(c.collective):
+        if c.peer is not None and c.collective in RECV:
             if _peer_sent_differently(rank, e, pairs):
                 return Via(collective=c.collective, group=c.group, seq=c.seq, senders=(c.peer,))
             continue
@@ -679,18 +678,19 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
 
     # ("ab", i): A's repeat i vs B's; ("a"/"b", i): that side's repeat i vs its repeat 0.
     compared: list[tuple[str, int, dict[int, _Verdict], Callable[[int], tuple[Sequence[OpEvent], ...]]]] = []
+
+    def compare(source: str, i: int, logs_of: Callable[[int], tuple[Sequence[OpEvent], ...]], what: str) -> None:
+        pairs = {r: _Pair(*logs_of(r), what=f"{what}rank {r}, repeat {i}") for r in ranks}
+        compared.append((source, i, {r: v for r in ranks if (v := _classify(r, pairs, state_equal)) is not None},
+                         logs_of))
+
     for i in range(repeats):
-        pairs = {r: _Pair(la[r][i], lb[r][i], what=f"rank {r}, repeat {i}") for r in ranks}
-        compared.append(("ab", i, {r: v for r in ranks if (v := _classify(r, pairs, state_equal)) is not None},
-                         lambda r, i=i: (la[r][i], lb[r][i])))
+        compare("ab", i, lambda r, i=i: (la[r][i], lb[r][i]), "")
     per_side: dict[str, int] = {}
     for side, logs in (("a", la), ("b", lb)):
-        n = per_side[side] = min(len(logs[r]) for r in ranks)
-        for i in range(1, n):
-            pairs = {r: _Pair(logs[r][0], logs[r][i], what=f"side {side.upper()}, rank {r}, repeat {i}")
-                     for r in ranks}
-            compared.append((side, i, {r: v for r in ranks if (v := _classify(r, pairs, state_equal)) is not None},
-                             lambda r, i=i, logs=logs: (logs[r][0], logs[r][i])))
+        per_side[side] = min(len(logs[r]) for r in ranks)
+        for i in range(1, per_side[side]):
+            compare(side, i, lambda r, i=i, logs=logs: (logs[r][0], logs[r][i]), f"side {side.upper()}, ")
 
     origins: list[Origin] = []
     receivers: list[Receiver] = []

@@ -17,13 +17,15 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.errors import UsageError
 from ckptverify.findings import Finding, Location, info, warning
 from ckptverify.ownfiles.names import own_dir
 from ckptverify.resume.locate.ops import locate
+from ckptverify.trace.kernel import rerun
+from ckptverify.trace.oplog import OpWindow, read_ops
 
 if TYPE_CHECKING:
     from ckptverify.trace.compare import FirstDivergence
@@ -185,11 +187,8 @@ def _reason(exc: BaseException) -> str:
 
 
 def _walk(request: Walk, workdir: str, say: Callable[[str], None]) -> Walked:
-    from dataclasses import asdict
-
     from ckptverify.resume.launch import launch_each, launches_at_once
     from ckptverify.resume.run import RunConfig
-    from ckptverify.trace.oplog import OpWindow, read_ops
 
     s, n = request.step, request.repeats
     timeout = max(MIN_TIMEOUT_S, request.timeout_s or 0.0)
@@ -279,8 +278,6 @@ def _kernel(request: Walk, side: Side, origin: Mapping[str, Any], workdir: str, 
             timeout: float, config: Callable[..., Any]) -> tuple[dict[str, Any] | None, Finding | None]:
     """Capture the origin op's inputs in one more run of ``side`` and re-run it alone: the kernel entry and its
     finding. A failure here is a ``locate-kernel-failed`` warning; the origin stands."""
-    from ckptverify.trace.oplog import OpWindow
-
     s, rank = request.step, origin.get("rank")
     if rank is None:
         return {"status": "not-captured", "sentence": f"{origin.get('op')} is an origin on several ranks on their "
@@ -298,8 +295,6 @@ def _kernel(request: Walk, side: Side, origin: Mapping[str, Any], workdir: str, 
             text = (f"The inputs of {origin.get('op')} were not captured in a further run (its key did not recur), "
                     "so the kernel was not re-run alone.")
             return {"status": "not-captured", "sentence": text}, warning("locate-kernel-failed", text)
-        from ckptverify.trace.kernel import rerun
-
         verdict = rerun(path, runs=max(2, request.repeats), device=request.device)
         out = dict(verdict.to_dict())
         out.setdefault("sentence", verdict.sentence())
