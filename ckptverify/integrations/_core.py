@@ -51,8 +51,6 @@ __all__ = ["WHEN", "Verifier", "integration_verify", "numbered_folders", "plain_
 
 #: When an integration verifies a saved checkpoint (every save is verified: ``"off"`` is not one).
 WHEN: tuple[str, ...] = ("inline", "background")
-#: Errors carried by a verdict (and broadcast): the first few suffice.
-_MAX_ERRORS = 5
 
 
 def integration_verify(where: str, verify: VerifyOptions | str) -> VerifyOptions:
