@@ -32,7 +32,7 @@ from ckptverify.errors import CkptVerifyWarning, UsageError, VerifyFailedWarning
 from ckptverify.options import VerifyOptions
 from ckptverify.state.distributed import Group
 from ckptverify.verifier.stamper import SETTLE_SECONDS, VerifyingLock, verify_and_stamp
-from ckptverify.verifier.throttle import IdleProbe, Throttle, throttle_enabled
+from ckptverify.verifier.throttle import IdleProbe, Throttle, env_number, throttle_enabled
 from ckptverify.verifier.verification import Verification, event_of, from_stamp, unverified
 from ckptverify.verifier.worker import PRIORITIES, VerifierProcess, lower_priority, restore_priority
 
@@ -535,18 +535,7 @@ def wait_for_verifications(timeout: float | None = None) -> bool:
 
 def exit_timeout() -> float:
     """Seconds a job waits at exit for its pending verifications (``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``)."""
-    raw = os.environ.get(EXIT_TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_EXIT_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:  # also NaN
-        warnings.warn(f"{EXIT_TIMEOUT_ENV}={raw!r} is not a number of seconds; using {DEFAULT_EXIT_TIMEOUT}",
-                      CkptVerifyWarning, stacklevel=2)
-        return DEFAULT_EXIT_TIMEOUT
-    return value
+    return env_number(EXIT_TIMEOUT_ENV, DEFAULT_EXIT_TIMEOUT, warn=True)
 
 
 def _at_exit() -> None:

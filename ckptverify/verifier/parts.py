@@ -55,11 +55,9 @@ def node_name() -> str:
 def part_timeout() -> float:
     """Seconds the coordinator waits for other parts (``CKPTVERIFY_PART_TIMEOUT``, default 1800; unreadable: default).
     """
-    try:
-        value = float(os.environ.get(PART_TIMEOUT_ENV, DEFAULT_PART_TIMEOUT))
-    except ValueError:
-        return DEFAULT_PART_TIMEOUT
-    return value if value >= 0 else DEFAULT_PART_TIMEOUT
+    from ckptverify.verifier.throttle import env_number
+
+    return env_number(PART_TIMEOUT_ENV, DEFAULT_PART_TIMEOUT)
 
 
 def _signatures(root: str, files: list[str]) -> dict[str, list[int] | None]:
