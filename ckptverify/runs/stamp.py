@@ -143,14 +143,9 @@ def _read(path: str, limit: int) -> bytes | None:
 
 def _manifest_digest(root: str) -> str | None:
     from ckptverify.fingerprint import digest_bytes
-    from ckptverify.ownfiles.manifest import MANIFEST_FILE, file_manifest_name
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE
 
-    if paths.isdir(root) and not paths.islink(root):
-        where = os.path.join(root, MANIFEST_FILE)
-    else:  # a single file's manifest is beside it
-        head, base = os.path.split(root if paths.is_url(root) else os.path.abspath(root))
-        where = os.path.join(head, file_manifest_name(base))
-    raw = _read(where, 256 << 20)
+    raw = _read(stamp_path(root, MANIFEST_FILE), 256 << 20)
     return None if raw is None else digest_bytes(raw)
 
 
