@@ -27,7 +27,7 @@ from typing import Any
 from ckptverify.ownfiles.names import PARTS_PLAN, STAMP_TEMP_PREFIX, write_atomic
 from ckptverify.ownfiles.partsplan import dcp_folders, part_verdict_path, read_json, read_plan
 
-__all__ = ["NODE_ENV", "PART_SCHEMA", "PART_TIMEOUT_ENV", "node_name", "part_job", "part_timeout",
+__all__ = ["NODE_ENV", "PART_SCHEMA", "PART_TIMEOUT_ENV", "adoption_note", "node_name", "part_job", "part_timeout",
            "stamp_parts_locked"]
 
 PART_SCHEMA = "ckptverify/part"
@@ -428,18 +428,27 @@ def _adopt(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]
         how = f"read whole here: {exc}"
     if manifest is None:
         return (*_refusal(report), False)
-    return report, (f"manifest written: {len(manifest.files)} files, {len(manifest.items)} items, "
-                    f"{len(manifest.tensors)} tensors; {how}"), True
+    return report, f"{adoption_note(report, manifest)}; {how}", True
+
+
+def adoption_note(report: Any, manifest: Any) -> str:
+    """What an adoption (:func:`~ckptverify.audit.adopt.fingerprint_checkpoint`) did, as an event's ``fingerprint``
+    note: the manifest written, or why none."""
+    if manifest is None:
+        return "no manifest: " + next((f.message for f in report.findings if f.check == "fingerprint-refused"),
+                                      "refused")
+    return (f"manifest written: {len(manifest.files)} files, {len(manifest.items)} items, "
+            f"{len(manifest.tensors)} tensors")
 
 
 def _refusal(report: Any) -> tuple[Any, str]:
-    """An adoption that wrote no manifest: its report and the note."""
+    """An adoption that wrote no manifest: its report (without the refusal when another error says why) and the note."""
     causes = [f for f in report.findings if f.check != "fingerprint-refused"]
-    refusal = next((f.message for f in report.findings if f.check == "fingerprint-refused"), "refused")
+    note = adoption_note(report, None)
     if any(f.severity.value == "error" for f in causes):
         report = type(report)(command=report.command, target=report.target, findings=tuple(causes),
                               coverage=report.coverage, stats=report.stats)
-    return report, f"no manifest: {refusal}"
+    return report, note
 
 
 def _adopt_folder(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]],
