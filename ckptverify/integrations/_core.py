@@ -47,7 +47,7 @@ from ckptverify.verifier.saved import (
 )
 from ckptverify.verifier.verification import Verification, event_of, unverified
 
-__all__ = ["WHEN", "Verifier", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts"]
+__all__ = ["WHEN", "Verifier", "integration_verify", "numbered_folders", "plain_folder"]
 
 #: When an integration verifies a saved checkpoint (every save is verified: ``"off"`` is not one).
 WHEN: tuple[str, ...] = ("inline", "background")
@@ -160,6 +160,12 @@ class Verifier:
         earlier, *arrived = _agree(mine, group)
         _refuse_earlier(earlier)
         return arrived  # type: ignore[return-value]
+
+    def settle(self, verdicts: list[Verification], *, group: Group = Group()) -> list[Verification]:
+        """:meth:`wait` (every rank calls), then ``verdicts`` with each pending one replaced by the verdict that arrived
+        for it (same path and step)."""
+        final = {(v.path, v.step): v for v in self.wait(group=group)}
+        return [final.get((v.path, v.step), v) if v.pending else v for v in verdicts]
 
     def pending(self) -> list[str]:
         """The checkpoints handed to the background verifier and not finished yet (on the coordinator)."""
@@ -366,12 +372,6 @@ def numbered_folders(root: str, number: Callable[[str], re.Match[str] | None],
 def plain_folder(path: str) -> bool:
     """A folder, not a link to one (a resume follows no link planted among the checkpoints)."""
     return os.path.isdir(path) and not os.path.islink(path)
-
-
-def settle_verdicts(verdicts: list[Verification], arrived: list[Verification]) -> list[Verification]:
-    """``verdicts`` with each pending one replaced by the verdict that arrived for it (same path and step)."""
-    final = {(v.path, v.step): v for v in arrived}
-    return [final.get((v.path, v.step), v) if v.pending else v for v in verdicts]
 
 
 def _cut(path: str, step: int | None, why: str) -> Verification:

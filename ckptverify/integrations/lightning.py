@@ -32,7 +32,6 @@ from ckptverify.integrations._core import (
     Fingerprint,
     Verifier,
     integration_verify,
-    settle_verdicts,
     warn_if_accumulating,
 )
 from ckptverify.options import VerifyOptions
@@ -100,10 +99,9 @@ class VerifyCheckpointsCallback(Callback):
                 setattr(obj, name, before)
         with contextlib.suppress(AttributeError):
             delattr(trainer.strategy, _WRAPPED)
-        if self.verifier.background and stage != "exception":
+        if stage != "exception":
             # Every write is done (the async plugin was torn down first); every rank is here, the group is up.
-            arrived = self.verifier.wait(group=self._group(trainer))
-            self.verdicts = settle_verdicts(self.verdicts, arrived)
+            self.verdicts = self.verifier.settle(self.verdicts, group=self._group(trainer))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning skips the teardown hooks when a run stops on an exception (a refused resume, for one).
@@ -169,16 +167,13 @@ class VerifyCheckpointsCallback(Callback):
         return load_checkpoint
 
     def _removing(self, trainer: pl.Trainer, remove: Any) -> Any:
-        from ckptverify.audit.adopt import file_manifest_path
-        from ckptverify.runs.stamp import stamp_path
+        from ckptverify.verifier.saved import remove_beside
 
         def remove_checkpoint(filepath: Any) -> None:
             path = os.fspath(filepath)
-            beside = (stamp_path(path), file_manifest_path(path)) if os.path.isfile(path) else ()
+            single = os.path.isfile(path)
             remove(filepath)
-            if trainer.is_global_zero and not os.path.lexists(path):
-                for name in beside:  # ckptverify's own files, kept beside a single-file checkpoint
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(name)
+            if single and trainer.is_global_zero:
+                remove_beside(path)
 
         return remove_checkpoint

@@ -31,7 +31,6 @@ from ckptverify.integrations._core import (
     integration_verify,
     numbered_folders,
     plain_folder,
-    settle_verdicts,
     warn_if_accumulating,
 )
 from ckptverify.options import VerifyOptions
@@ -69,8 +68,7 @@ class VerifyCheckpointsCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if self.verifier.background:
-            self.verdicts = settle_verdicts(self.verdicts, self.verifier.wait(group=torch_group()))
+        self.verdicts = self.verifier.settle(self.verdicts, group=torch_group())
         return control
 
 
