@@ -338,12 +338,8 @@ class _DescribedSide(_Side):
     def fingerprints(self, names: set[str]) -> dict[str, str]:
         # As read_tensor bounds a view, and a file changing here leaves its tensors uncompared.
         return rebuilt_fingerprints(self.desc, names - self.damaged, lambda only: deep_check.scan_description(
-            self.desc, _serial_map, only=only, view_limit=None, stop_on_change=False)[0])
-
-
-
-def _serial_map(fn: Any, items: list[Any]) -> list[Any]:
-    return [fn(x) for x in items]
+            self.desc, lambda fn, items: [fn(x) for x in items], only=only, view_limit=None,
+            stop_on_change=False)[0])
 
 
 def _manifest_proven(root: str, desc: Description, files: set[str]) -> set[tuple[str, int, int]]:
@@ -612,15 +608,13 @@ def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
     """Bitwise comparison of two same-shape, same-dtype tensors, with magnitudes where they make sense."""
     import torch
 
-    if a.dtype == torch.bool:
-        ia, ib = a.view(torch.uint8), b.view(torch.uint8)
-    elif a.is_complex():
-        ia, ib = torch.view_as_real(a).flatten(-2), torch.view_as_real(b).flatten(-2)
-        ia = ia.contiguous().view(getattr(torch, _INT_OF_SIZE[ia.element_size()]))
-        ib = ib.contiguous().view(getattr(torch, _INT_OF_SIZE[ib.element_size()]))
-    else:
-        ints = getattr(torch, _INT_OF_SIZE[a.element_size()])
-        ia, ib = a.contiguous().view(ints), b.contiguous().view(ints)
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.bool:
+            return t.view(torch.uint8)
+        t = torch.view_as_real(t).flatten(-2) if t.is_complex() else t
+        return t.contiguous().view(getattr(torch, _INT_OF_SIZE[t.element_size()]))
+
+    ia, ib = bits(a), bits(b)
     neq = (ia != ib).reshape(-1)
     if a.is_complex():
         neq = neq.view(-1, 2).any(dim=1)
