@@ -399,20 +399,16 @@ class Production:
             self.injector.detach()
         if self.replicas is not None:
             self.replicas.finish()  # an episode still open: its count, now
-        if self.rank == 0:
-            pending = 0
-            if self.options.verify.when != "off":
-                from ckptverify.verifier.background import default_verifier, exit_timeout
-
-                verifier = default_verifier()
-                verifier.wait(exit_timeout())  # says so (warning, events) if it cuts any short
-                pending = len(verifier.pending())
-            self.events.emit("end", step=step, **({"unverified": pending} if pending else {}))
-        elif self.options.verify.when != "off":
-            # Another node's lowest rank verifies its part of each save: os._exit would cut it short.
-            from ckptverify.verifier.background import exit_timeout, wait_for_verifications
+        verified = self.options.verify.when != "off"
+        if verified:
+            # Rank 0's verifications, and another node's lowest rank's part of each save (os._exit would cut it
+            # short); one cut short here is said (warning, events).
+            from ckptverify.verifier.background import default_verifier, exit_timeout, wait_for_verifications
 
             wait_for_verifications(exit_timeout())
+        if self.rank == 0:
+            pending = len(default_verifier().pending()) if verified else 0
+            self.events.emit("end", step=step, **({"unverified": pending} if pending else {}))
 
 
 def _write_json(path: str, data: Any) -> None:
