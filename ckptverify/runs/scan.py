@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING, Any
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.formats.rundir import Candidate, find_checkpoints
-from ckptverify.runs.states import GOOD_STATES, INCOMPLETE_CHECKS, judge_report
+from ckptverify.runs.stamp import SETTLE_SECONDS, files_fingerprint, removed
+from ckptverify.runs.states import GOOD_STATES, INCOMPLETE_CHECKS, STATES, judge_report
 from ckptverify.safeparse import paths
 from ckptverify.safeparse.paths import WalkNote
 
 if TYPE_CHECKING:
     from ckptverify.checks.dcp_pipeline import Executor
 
-__all__ = ["SETTLE_SECONDS", "judge", "scan_run_dir", "unseen_findings"]
+__all__ = ["judge", "scan_run_dir", "unseen_findings"]
 
 def _judge_path(path: str, jobs: int | None, deep: bool = False) -> tuple[str, Report]:
     """A DCP checkpoint or a single file, through ``verify``'s own routing (``deep``: as ``verify --deep``)."""
@@ -33,18 +34,14 @@ def _judge_path(path: str, jobs: int | None, deep: bool = False) -> tuple[str, R
     return judge_report(report), report
 
 
-_WORST = {s: n for n, s in enumerate(("verified", "intact", "suspect", "uncheckable", "incomplete", "corrupt"))}
 _DELETED = "removed while it was being verified (retention, or someone deleting it): nothing left to judge"
-#: A failed checkpoint must stay in place this long to be corrupt (retention deletes file by file).
-SETTLE_SECONDS = 1.0
 
 
 def judge(root: str, cand: Candidate, jobs: int | None, *, deep: bool = False) -> tuple[str, str, dict[str, Any]]:
     """State, one-line reason and counts for one candidate, verified exactly as ``verify`` routes it. A good one with
     a suspect note is ``suspect``; one removed meanwhile is ``deleted``: a failed verdict stands only after it stayed
-    in place for :data:`SETTLE_SECONDS` (as the stamper judges). ``deep``: as ``verify --deep``."""
-    from ckptverify.runs.stamp import files_fingerprint, removed
-
+    in place for :data:`~ckptverify.runs.stamp.SETTLE_SECONDS` (as the stamper judges). ``deep``: as
+    ``verify --deep``."""
     path = paths.normpath(os.path.join(root, cand.path))
     before = files_fingerprint(path)
     try:
@@ -106,7 +103,7 @@ def _judge_bytes(root: str, cand: Candidate, jobs: int | None, deep: bool) -> tu
         for k, v in counts_of(report).items():
             counts[k] += v
         reasons.append(f"{part}/: {state}")
-    worst = max(states, key=_WORST.__getitem__)
+    worst = max(states, key=STATES.index)  # STATES runs from best to worst
     return worst, "; ".join(reasons), counts
 
 

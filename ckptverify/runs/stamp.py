@@ -29,14 +29,17 @@ from ckptverify.ownfiles.names import (
 )
 from ckptverify.safeparse import paths, safejson
 
-__all__ = ["Stamp", "committed", "describe_suspect", "files_fingerprint", "read_stamp", "read_suspect", "removed",
-           "stamp_path", "write_stamp", "write_suspect_note"]
+__all__ = ["SETTLE_SECONDS", "Stamp", "committed", "describe_suspect", "files_fingerprint", "read_stamp",
+           "read_suspect", "removed", "stamp_path", "write_stamp", "write_suspect_note"]
 
 STAMP_SCHEMA = "ckptverify/stamp"
 STAMP_VERSION = 1
 SUSPECT_SCHEMA = "ckptverify/suspect"
 #: The most of a stamp that is ever read.
 MAX_STAMP_BYTES = 1 << 20
+#: How long a checkpoint that looks damaged must stay in place before it is judged so: retention deletes file by
+#: file, and a checkpoint on its way out is not corrupt.
+SETTLE_SECONDS = 1.0
 _IGNORED = frozenset({STAMP_FILE, VERIFYING_LOCK})
 _METADATA = ".metadata"
 

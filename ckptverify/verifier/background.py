@@ -30,8 +30,9 @@ from typing import Any
 
 from ckptverify.errors import CkptVerifyWarning, UsageError, VerifyFailedWarning
 from ckptverify.options import VerifyOptions
+from ckptverify.runs.stamp import SETTLE_SECONDS
 from ckptverify.state.distributed import Group
-from ckptverify.verifier.stamper import SETTLE_SECONDS, VerifyingLock, verify_and_stamp
+from ckptverify.verifier.stamper import VerifyingLock, verify_and_stamp
 from ckptverify.verifier.throttle import IdleProbe, Throttle, env_number, throttle_enabled
 from ckptverify.verifier.verification import Verification, event_of, from_stamp, unverified
 from ckptverify.verifier.worker import PRIORITIES, VerifierProcess, lower_priority, restore_priority

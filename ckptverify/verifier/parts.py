@@ -26,6 +26,7 @@ from typing import Any
 
 from ckptverify.ownfiles.names import PARTS_PLAN, STAMP_TEMP_PREFIX, write_atomic
 from ckptverify.ownfiles.partsplan import dcp_folders, part_verdict_path, read_json, read_plan
+from ckptverify.runs.stamp import SETTLE_SECONDS
 
 __all__ = ["NODE_ENV", "PART_SCHEMA", "PART_TIMEOUT_ENV", "adoption_note", "node_name", "part_job", "part_timeout",
            "stamp_parts_locked"]
@@ -181,7 +182,7 @@ def _describe_node(node: dict[str, Any]) -> str:
     return f"node {node.get('node')} (host {node.get('host')}, ranks {node.get('ranks')})"
 
 
-def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, settle: float = 1.0,
+def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, settle: float = SETTLE_SECONDS,
                        throttle: Any = None, wait_s: float | None = None, deep: bool = False,
                        adopt: bool | Callable[[Any], bool] = False, notes: list[str] | None = None) -> Any:
     """The coordinator's side (caller holds the verifying lock): verify the whole checkpoint and this node's files,

@@ -14,17 +14,15 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.ownfiles.names import VERIFYING_LOCK
-from ckptverify.runs.stamp import files_fingerprint, removed, stamp_path, write_stamp
+from ckptverify.runs.stamp import SETTLE_SECONDS, files_fingerprint, removed, stamp_path, write_stamp
 from ckptverify.verifier.throttle import Throttle
 from ckptverify.verifier.verification import Verification, from_report, unverified
 
 if TYPE_CHECKING:
     from ckptverify.findings import Report
 
-__all__ = ["GONE", "SETTLE_SECONDS", "VerifyingLock", "stamp", "stamp_locked", "unmoved", "verify_and_stamp"]
+__all__ = ["GONE", "VerifyingLock", "stamp", "stamp_locked", "unmoved", "verify_and_stamp"]
 
-#: Wait after a failure before judging: a checkpoint being deleted file by file is not corrupt.
-SETTLE_SECONDS = 1.0
 GONE = "removed while it was being verified"
 
 

@@ -21,10 +21,10 @@ from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
 from ckptverify.formats.rundir import Candidate, find_checkpoints
-from ckptverify.runs.stamp import committed, files_fingerprint, read_stamp
+from ckptverify.runs.stamp import SETTLE_SECONDS, committed, files_fingerprint, read_stamp
 from ckptverify.runs.states import judge_report
 from ckptverify.safeparse.paths import WalkNote
-from ckptverify.verifier.stamper import SETTLE_SECONDS, stamp_locked, verify_and_stamp
+from ckptverify.verifier.stamper import stamp_locked, verify_and_stamp
 from ckptverify.verifier.verification import Verification, unverified
 
 __all__ = ["WATCH_HELP", "WATCH_LOG", "RunState", "WatchResult", "watch"]

@@ -34,6 +34,7 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
           priority: _Priority | None = None) -> None:
     """Answer each request line of ``requests`` with one line on ``replies``. ``hurried(seq)``: whether the parent asked
     for full speed; ``priority``: set per request."""
+    from ckptverify.runs.stamp import SETTLE_SECONDS
     from ckptverify.verifier.parts import stamp_parts_locked
     from ckptverify.verifier.stamper import stamp_locked
 
@@ -57,8 +58,8 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
         # ``parts``: the coordinator's side of a verification shared out among nodes.
         stamp = stamp_parts_locked if req.get("parts") else stamp_locked
         try:
-            result = stamp(path, step=step, jobs=req.get("jobs") or 1, deep=deep, settle=float(req.get("settle", 1.0)),
-                           throttle=_throttle(req, hurried, priority))
+            result = stamp(path, step=step, jobs=req.get("jobs") or 1, deep=deep,
+                           settle=float(req.get("settle", SETTLE_SECONDS)), throttle=_throttle(req, hurried, priority))
         except Exception as exc:  # one request's failure is its result; the process serves the next one
             result = unverified(path, step, "error", f"the verification itself failed: {type(exc).__name__}: {exc}",
                                 deep=deep)
