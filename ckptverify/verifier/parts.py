@@ -199,7 +199,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     from ckptverify.findings import Report
     from ckptverify.runs.stamp import files_fingerprint, removed
     from ckptverify.safeparse.readers import pacing
-    from ckptverify.verifier.stamper import GONE, stamp, stamp_locked, unmoved
+    from ckptverify.verifier.stamper import GONE, stamp, stamp_locked, unmoved, unreadable
     from ckptverify.verifier.verification import unverified
 
     plan = read_plan(path)
@@ -259,10 +259,8 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
         if deep and adopt is not True:
             with pacing(throttle):
                 mine = _deep(path, jobs, other_files, records, True, scanned)
-    except FileNotFoundError:  # CheckpointNotFoundError included
-        return unverified(path, step, "deleted", GONE)
     except OSError as exc:
-        return unverified(path, step, "error", f"{type(exc).__name__}: {exc}")
+        return unreadable(path, step, exc)
     merged = parts = None
     if mine is not None:
         parts, merged = _summarize(path, nodes, mine, reports, mine.stats.get("bytes"))
@@ -276,10 +274,8 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
                 if deep:  # judged against the manifest just written from the parts, or none: an older one left
                     # in the folder no longer describes it
                     adopted = _judged(adopted, _deep(path, jobs, other_files, records, written, scanned))
-        except FileNotFoundError:
-            return unverified(path, step, "deleted", GONE)
         except OSError as exc:
-            return unverified(path, step, "error", f"{type(exc).__name__}: {exc}")
+            return unreadable(path, step, exc)
         if notes is not None:
             notes.append(note)
         # The fingerprint covers the new manifest; its files were change-checked by the adoption and signatures.
