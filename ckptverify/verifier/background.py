@@ -76,9 +76,7 @@ class AfterSave:
     #: An :class:`~ckptverify.ownfiles.events.EventLog`, or the directory of the ``events.jsonl`` to append to.
     events: Any = None
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.verify, VerifyOptions):
-            raise UsageError(f"verify must be a VerifyOptions, got {type(self.verify).__name__}")
+    def __post_init__(self) -> None:  # ``verify`` comes through verify_options, checked there
         if self.on_verified is not None and not callable(self.on_verified):
             raise UsageError(f"on_verified must be callable, got {type(self.on_verified).__name__}")
 
