@@ -209,20 +209,15 @@ def _ready(path: str, cand: Candidate, quiet: float) -> bool:
     return time.time_ns() - cand.mtime_ns >= quiet * 1e9
 
 
+#: The :class:`RunState` count of each result event (any other: ``pending``).
+_COUNTS = {"verified": "verified", "failed": "corrupt", "error": "unverifiable", "deleted": "deleted"}
+
+
 def _count(state: RunState, event: str, step: int | None, stamped: bool = True) -> None:
-    if event == "verified":
-        state.verified += 1
-        if step is not None and (state.last_good_step is None or step > state.last_good_step):
-            state.last_good_step = step
-    elif event == "failed":
-        state.corrupt += 1
-    elif event == "error":
-        state.unverifiable += 1
-    elif event == "deleted":
-        state.deleted += 1
-    else:
-        state.pending += 1
-        return
+    name = _COUNTS.get(event, "pending")
+    setattr(state, name, getattr(state, name) + 1)
+    if event == "verified" and step is not None and (state.last_good_step is None or step > state.last_good_step):
+        state.last_good_step = step
     if event in ("verified", "failed") and not stamped:
         state.unstamped += 1
 
