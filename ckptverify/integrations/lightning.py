@@ -48,13 +48,10 @@ class VerifyCheckpointsCallback(Callback):
     """Verify each checkpoint the trainer saves, and the ``ckpt_path`` it resumes from.
 
     Args:
-        verify: a :class:`~ckptverify.options.VerifyOptions` or its ``when``: ``"inline"`` (default) or
-            ``"background"`` (``teardown`` waits). ``on_failure``: ``"warn"`` (default:
-            :class:`~ckptverify.errors.VerifyFailedWarning` and an event) or ``"raise"``
-            (:class:`~ckptverify.errors.CheckpointRefusedError` stops training). ``deep``: as for
-            :class:`~ckptverify.integrations.Verifier`.
+        verify, fingerprint, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier` (``"background"``:
+            ``teardown`` waits; ``on_failure="raise"``: :class:`~ckptverify.errors.CheckpointRefusedError` stops
+            training).
         verify_resume: refuse a ``ckpt_path`` that fails verification (default ``True``).
-        fingerprint, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier`.
 
     ``verdicts``: the verdicts of the saves so far, on every rank (pending ones until ``teardown``).
     """

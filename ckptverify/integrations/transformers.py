@@ -46,11 +46,8 @@ class VerifyCheckpointsCallback(TrainerCallback):
     """Verify, stamp and log each ``checkpoint-N`` right after the ``Trainer`` saves it.
 
     Args:
-        verify: a :class:`~ckptverify.options.VerifyOptions` or its ``when``: ``"inline"`` (default) or
-            ``"background"`` (``on_train_end`` waits); ``on_failure``: ``"warn"`` (default) or ``"raise"``
-            (:class:`~ckptverify.errors.CheckpointRefusedError` on every rank); ``deep``: as for
-            :class:`~ckptverify.integrations.Verifier`.
-        fingerprint, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier`.
+        verify, fingerprint, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier` (``"background"``:
+            ``on_train_end`` waits).
 
     ``verdicts``: the verdicts so far (pending ones until ``on_train_end``).
     """
