@@ -175,7 +175,7 @@ class Verifier:
     def before_resume(self, path: str | os.PathLike[str], *, group: Group = Group()) -> Verification:
         """Verify ``path`` before it is loaded (after any pending background check), read-only; refuse on every rank if
         it fails or cannot be verified. Returns the verdict when it passed."""
-        verdict = self.check(path, group=group, event="resume", warn=False)
+        verdict = self.check(path, group=group, warn=False)
         if not verdict.passed:
             raise CheckpointRefusedError(f"refusing to resume: {verdict.message}", verdict.report)
         return verdict
@@ -187,7 +187,7 @@ class Verifier:
         """
         refused: list[Verification] = []
         for path in paths:
-            verdict = self.check(path, group=group, event="resume")
+            verdict = self.check(path, group=group)
             if verdict.passed:
                 return verdict
             refused.append(verdict)
@@ -196,21 +196,20 @@ class Verifier:
         raise CheckpointRefusedError(f"refusing to resume: none of the {len(refused)} checkpoint(s) under {folder} "
                                      f"verifies; newest: {refused[0].message}", refused[0].report)
 
-    def check(self, path: str | os.PathLike[str], *, group: Group = Group(), event: str = "resume",
-              warn: bool = True) -> Verification:
-        """Verify ``path`` read-only on the coordinator (after any pending background check), log ``{event}-verified``
-        or ``{event}-refused``, and return the verdict on every rank. Never raises for a failing checkpoint."""
+    def check(self, path: str | os.PathLike[str], *, group: Group = Group(), warn: bool = True) -> Verification:
+        """Verify ``path`` read-only on the coordinator (after any pending background check), log ``resume-verified``
+        or ``resume-refused``, and return the verdict on every rank. Never raises for a failing checkpoint."""
         root = os.fspath(path)
         mine = None
         if group.coordinator:
             _await_background(root)
             verdict = self._verify_only(root)
-            self._emit(root, f"{event}-verified" if verdict.passed else f"{event}-refused", verdict, group.rank)
+            self._emit(root, "resume-verified" if verdict.passed else "resume-refused", verdict, group.rank)
             mine = [verdict]
         verdict = _agree(mine, group)[0]
         assert verdict is not None
         if warn and not verdict.passed and group.coordinator:
-            warnings.warn(f"{event}: {verdict.message}", VerifyFailedWarning, stacklevel=3)
+            warnings.warn(f"resume: {verdict.message}", VerifyFailedWarning, stacklevel=3)
         return verdict
 
     # -- coordinator side
