@@ -203,14 +203,9 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
 
 def _stamp_data(folder: str) -> dict[str, Any] | None:
     """The stamp file of ``folder`` parsed, when it is a JSON object; else ``None``."""
-    raw = _read(stamp_path(folder), MAX_STAMP_BYTES)
-    if raw is None:
-        return None
-    try:
-        data = safejson.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
+    from ckptverify.ownfiles.partsplan import read_json
+
+    return read_json(stamp_path(folder), MAX_STAMP_BYTES)
 
 
 def read_stamp(root: str | os.PathLike[str]) -> Stamp | None:
