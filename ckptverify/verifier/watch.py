@@ -21,6 +21,7 @@ from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
 from ckptverify.formats.rundir import Candidate, find_checkpoints
+from ckptverify.ownfiles.names import append_line
 from ckptverify.runs.stamp import SETTLE_SECONDS, committed, files_fingerprint, read_stamp
 from ckptverify.runs.states import judge_report
 from ckptverify.safeparse.paths import WalkNote
@@ -335,8 +336,8 @@ def watch(run_dir: str | os.PathLike[str], *, once: bool = False, interval: floa
                 item = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **item}
                 result.results.append(item)
                 result.bytes_checked += int(item.get("bytes") or 0)
-                try:
-                    _append(log_path, item)
+                try:  # a regular file only, never through a link, FIFO or device
+                    append_line(log_path, (json.dumps(item, default=str) + "\n").encode("utf-8", "surrogateescape"))
                 except OSError as exc:
                     problem(f"cannot append to the watch log {log_path}: {exc}")
                 if on_result is not None:
@@ -369,9 +370,3 @@ def _write_gauges(path: str, root: str, result: WatchResult, problem: Callable[[
     except OSError as exc:
         problem(f"cannot write the metrics file {path}: {exc}")
 
-
-def _append(path: str, item: dict[str, Any]) -> None:
-    """Append ``item`` as one JSON line to the regular file ``path`` (never through a link, FIFO or device)."""
-    from ckptverify.ownfiles.names import append_line
-
-    append_line(path, (json.dumps(item, default=str) + "\n").encode("utf-8", "surrogateescape"))
