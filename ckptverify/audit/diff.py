@@ -40,6 +40,7 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jo
     B's names with ``B_PREFIX`` instead (longest prefix wins; one side may be empty). Raises
     :class:`~ckptverify.errors.UsageError` for a malformed mapping or one mapping two names of A onto one.
     """
+    from ckptverify.audit.verify import is_dcp
     from ckptverify.errors import CheckpointNotFoundError
 
     mapping = parse_prefix_map(map_prefix)
@@ -54,7 +55,8 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jo
     stats: dict[str, Any] = {}
     try:
         for tag, root in zip("AB", roots, strict=True):
-            side = _open_side(root, jobs or default_jobs(), progress)
+            workers = jobs or default_jobs()
+            side = _DcpSide(root, workers, progress) if is_dcp(root) else _DescribedSide(root, workers)
             sides.append(side)
             findings.extend(error(f.check, f"[{tag}] {f.message}", location=f.location, expected=f.expected,
                                   actual=f.actual) for f in side.errors)
@@ -277,12 +279,6 @@ class _Side:
 
     def close(self) -> None:
         pass
-
-
-def _open_side(root: str, jobs: int, progress: ProgressSink | None) -> _Side:
-    from ckptverify.audit.verify import is_dcp
-
-    return _DcpSide(root, jobs, progress) if is_dcp(root) else _DescribedSide(root, jobs)
 
 
 class _DescribedSide(_Side):

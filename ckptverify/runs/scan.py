@@ -165,7 +165,9 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
     newest = good[-1] if good else None
     for row in rows:
         state = row["state"]
-        if state == "corrupt" and row["quarantined"] and newest is not None and _recovered(row, newest):
+        # Handled when the newest good checkpoint outside quarantine is of its step or later (unknown never count).
+        if state == "corrupt" and row["quarantined"] and newest is not None and row["step"] is not None \
+                and newest["step"] is not None and newest["step"] >= row["step"]:
             row["handled_by"] = {"path": newest["path"], "step": newest["step"]}
             row["reason"] += (f"; handled: the job moved it aside and recovered ({newest['path']}, step "
                               f"{newest['step']}, is good), so it is kept as evidence, not a failure")
@@ -185,12 +187,6 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
              "bytes": sum(r["bytes_checked"] for r in rows), "unseen": [n.to_dict() for n in notes], "deep": deep}
     coverage = (CheckCoverage(check="scan", count=len(rows), unit="checkpoints"),)
     return Report(command="scan", target=root, findings=tuple(findings), coverage=coverage, stats=stats)
-
-
-def _recovered(row: dict[str, Any], newest: dict[str, Any]) -> bool:
-    """Whether the job got past quarantined ``row``: the newest good checkpoint outside quarantine is of its step or
-    later (unknown steps never count)."""
-    return row["step"] is not None and newest["step"] is not None and newest["step"] >= row["step"]
 
 
 def _judged_by_ranks(root: str, candidates: list[Candidate], executor: Executor, jobs: int | None, deep: bool,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -201,17 +200,6 @@ def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: 
     return verdict, extra
 
 
-def _adopt_when(root: str) -> Callable[[Report], bool]:
-    """When a parts-verified save under ``fingerprint="auto"`` is fingerprinted: a former manifest is present, or the
-    parts found unprotected content."""
-    from ckptverify.audit.verify import needs_manifest
-
-    def adopt(merged: Report) -> bool:
-        return _has_manifest(root) or needs_manifest(merged)
-
-    return adopt
-
-
 def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int | None, deep: bool,
               settle: float, parts: bool = False) -> dict[str, Any]:
     """:func:`check_saved` in the verifier process, as JSON values. ``parts``: shared among nodes
@@ -219,11 +207,14 @@ def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int |
     fingerprinting; ``deep``: parts' tensor pieces judged together here."""
     result = None
     if parts:
+        from ckptverify.audit.verify import needs_manifest
         from ckptverify.verifier.parts import stamp_parts_locked
 
         started = time.perf_counter()
         notes: list[str] = []
-        adopt = True if fingerprint is True else _adopt_when(root) if fingerprint == "auto" else False
+        # "auto": fingerprinted when a former manifest is present, or the parts found unprotected content.
+        adopt: Any = fingerprint is True or (fingerprint == "auto" and (
+            lambda merged: _has_manifest(root) or needs_manifest(merged)))
         result = stamp_parts_locked(root, step=step, jobs=jobs, settle=settle, adopt=adopt, notes=notes, deep=deep)
         if result is not None:
             if result.report is not None:
