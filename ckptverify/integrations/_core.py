@@ -47,7 +47,7 @@ from ckptverify.verifier.saved import (
 )
 from ckptverify.verifier.verification import Verification, event_of, unverified
 
-__all__ = ["WHEN", "Verifier", "integration_verify", "numbered_folders", "plain_folder"]
+__all__ = ["WHEN", "Verifier", "integration_verify", "numbered_folders"]
 
 #: When an integration verifies a saved checkpoint (every save is verified: ``"off"`` is not one).
 WHEN: tuple[str, ...] = ("inline", "background")
@@ -195,6 +195,15 @@ class Verifier:
             return None
         raise CheckpointRefusedError(f"refusing to resume: none of the {len(refused)} checkpoint(s) under {folder} "
                                      f"verifies; newest: {refused[0].message}", refused[0].report)
+
+    def newest_numbered(self, folder: str, number: Callable[[str], re.Match[str] | None], *,
+                        group: Group = Group()) -> Verification | None:
+        """:meth:`newest_verified` over the folders in ``folder`` whose name ``number`` matches (group 1: ``N``),
+        listed on the coordinator; links are not followed (a resume follows no link planted among the checkpoints).
+        """
+        names = group.share(lambda: [n for _, n in numbered_folders(
+            folder, number, lambda path: os.path.isdir(path) and not os.path.islink(path))])
+        return self.newest_verified([os.path.join(folder, n) for n in names], folder, group=group)
 
     def check(self, path: str | os.PathLike[str], *, group: Group = Group(), warn: bool = True) -> Verification:
         """Verify ``path`` read-only on the coordinator (after any pending background check), log ``resume-verified``
@@ -366,11 +375,6 @@ def numbered_folders(root: str, number: Callable[[str], re.Match[str] | None],
         return []
     found = [(int(m.group(1)), n) for n in names if (m := number(n)) and keep(os.path.join(root, n))]
     return sorted(found, reverse=True)
-
-
-def plain_folder(path: str) -> bool:
-    """A folder, not a link to one (a resume follows no link planted among the checkpoints)."""
-    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def _cut(path: str, step: int | None, why: str) -> Verification:

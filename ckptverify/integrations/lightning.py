@@ -28,12 +28,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 
-from ckptverify.integrations._core import (
-    Fingerprint,
-    Verifier,
-    integration_verify,
-    warn_if_accumulating,
-)
+from ckptverify.integrations._core import Fingerprint, Verifier, integration_verify, warn_if_accumulating
 from ckptverify.options import VerifyOptions
 from ckptverify.state.distributed import Group, torch_group
 from ckptverify.verifier.verification import Verification

@@ -25,14 +25,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ckptverify.integrations._core import (
-    Fingerprint,
-    Verifier,
-    integration_verify,
-    numbered_folders,
-    plain_folder,
-    warn_if_accumulating,
-)
+from ckptverify.integrations._core import Fingerprint, Verifier, integration_verify, warn_if_accumulating
 from ckptverify.options import VerifyOptions
 from ckptverify.state.distributed import torch_group
 from ckptverify.verifier.verification import Verification
@@ -76,9 +69,7 @@ def verified_resume_checkpoint(output_dir: str | os.PathLike[str], *, jobs: int 
     :class:`~ckptverify.errors.CheckpointRefusedError` if some exist and none verifies. Every rank calls it."""
     root = os.fspath(output_dir)
     group = torch_group()
-    found = group.share(lambda: [n for _, n in numbered_folders(root, _CHECKPOINT.match, plain_folder)])
-    verifier = Verifier(jobs=jobs, events_dir=events_dir or root)
-    verdict = verifier.newest_verified([os.path.join(root, n) for n in found], root, group=group)
+    verdict = Verifier(jobs=jobs, events_dir=events_dir or root).newest_numbered(root, _CHECKPOINT.match, group=group)
     return None if verdict is None else verdict.path
 
 
