@@ -103,8 +103,7 @@ def _background_verifier(accelerator: Any, settings: dict[str, Any]) -> Verifier
     if verifier is None:
         setattr(accelerator, _VERIFIER, fresh)
         return fresh
-    verifier.verify, verifier.on_failure, verifier.fingerprint = fresh.verify, fresh.on_failure, fresh.fingerprint
-    verifier.deep, verifier.jobs, verifier.events_dir = fresh.deep, fresh.jobs, fresh.events_dir
+    vars(verifier).update((k, v) for k, v in vars(fresh).items() if not k.startswith("_"))  # its queue stays
     return verifier
 
 
