@@ -75,6 +75,16 @@ def _say(message: str) -> None:
     print(f"ckptverify: {message}", file=sys.stderr, flush=True)
 
 
+def _move_aside(log: Any, root: str, rel: str, step: int | None, state: str, reason: str) -> None:
+    """Move checkpoint ``rel`` into the quarantine, said on stderr and in ``log``; :class:`CkptVerifyError` (nothing
+    moved) when it cannot be."""
+    from ckptverify.runs.latest import move_aside
+
+    moved = move_aside(root, rel)
+    _say(f"moved {rel} aside to {moved} ({state}: {reason}); it is kept as it is, never overwritten")
+    log.emit("checkpoint-moved-aside", path=rel, to=moved, step=step, state=state, reason=reason)
+
+
 def _decide(options: ProductionOptions, refused: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """On rank 0: pick the checkpoint to resume from as ``options.resume`` allows, report what was skipped and why,
     and move aside what a save would overwrite. Returns ``{"picked": Latest dict or None}`` or ``{"error": msg}``
@@ -96,7 +106,7 @@ def _decide_writing(options: ProductionOptions, refused: list[dict[str, Any]]) -
     """:func:`_decide`, raising ``OSError`` when the run directory cannot be written."""
     from ckptverify.ownfiles.events import EventLog
     from ckptverify.ownfiles.names import open_append
-    from ckptverify.runs.latest import is_own_step_dir, latest_verified, move_aside
+    from ckptverify.runs.latest import is_own_step_dir, latest_verified
 
     root = options.run_dir
     log = EventLog(root, rank=0)  # creates the run directory
@@ -152,13 +162,9 @@ def _decide_writing(options: ProductionOptions, refused: list[dict[str, Any]]) -
         if not is_own_step_dir(s["path"]):
             continue
         try:
-            moved = move_aside(root, s["path"])
+            _move_aside(log, root, s["path"], s["step"], s["state"], s["reason"])
         except CkptVerifyError as exc:  # the job does not start over a checkpoint it cannot keep
             return refuse(f"{exc}. The job does not start: a save of it could land on {s['path']}.")
-        _say(f"moved {s['path']} aside to {moved} ({s['state']}: {s['reason']}); it is kept as it is, never "
-             "overwritten")
-        log.emit("checkpoint-moved-aside", path=s["path"], to=moved, step=s["step"], state=s["state"],
-                 reason=s["reason"])
     if found.path is not None:
         newer = f"; {len(found.skipped)} newer skipped" if found.skipped else ""
         _say(f"resuming from {os.path.relpath(found.path, root)} (step {found.step}), the newest checkpoint that "
@@ -360,20 +366,14 @@ class Production:
         if self.replicas is not None:
             self.replicas.flush_late()
         if self.rank == 0:
-            from ckptverify.runs.latest import move_aside
-
             root = self.options.run_dir
             if os.path.lexists(path):
-                rel = os.path.relpath(path, root)
                 try:
-                    moved = move_aside(root, rel)
+                    _move_aside(self.events, root, os.path.relpath(path, root), step, "in-the-way",
+                                "something was already at the path of the save of this step")
                 except CkptVerifyError as exc:  # never saved over it: the job stops, as a refused start does
                     _say(f"{exc}. The save of step {step} would write over it: the job stops.")
                     raise SystemExit(2) from None
-                why = "something was already at the path of the save of this step"
-                _say(f"moved {rel} aside to {moved} ({why}); it is kept as it is, never overwritten")
-                self.events.emit("checkpoint-moved-aside", path=rel, to=moved, step=step, state="in-the-way",
-                                 reason=why)
             suspect = self.replicas.suspect() if self.replicas is not None else None
             if suspect is not None:
                 from ckptverify.runs.stamp import describe_suspect, write_suspect_note
