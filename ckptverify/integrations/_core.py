@@ -269,7 +269,9 @@ class Verifier:
         """A background verification finished (verifier thread): event, warning, and a failure kept for the next save.
         """
         extra: dict[str, Any] = {}
-        if result is None and why == "removed before it was verified":
+        from ckptverify.verifier.background import REMOVED
+
+        if result is None and why == REMOVED:
             verdict, event = was_deleted(root, step), "checkpoint-deleted"
         elif result is None:
             verdict, event = cannot_verify(root, f"the background verification did not finish: {why}", step), \

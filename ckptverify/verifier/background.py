@@ -40,6 +40,7 @@ from ckptverify.verifier.worker import PRIORITIES, VerifierProcess, lower_priori
 __all__ = [
     "DEFAULT_EXIT_TIMEOUT",
     "EXIT_TIMEOUT_ENV",
+    "REMOVED",
     "AfterSave",
     "BackgroundVerifier",
     "Task",
@@ -56,6 +57,8 @@ __all__ = [
 ISOLATIONS = ("process", "thread")
 EXIT_TIMEOUT_ENV = "CKPTVERIFY_VERIFY_EXIT_TIMEOUT"
 DEFAULT_EXIT_TIMEOUT = 600.0
+#: Why a checkpoint (or a task's) has no verdict when it was gone before its verification began.
+REMOVED = "removed before it was verified"
 #: How often a verification waits for a verifying lock someone else (``ckptverify watch``) holds.
 _LOCK_POLL_SECONDS = 0.2
 
@@ -321,7 +324,7 @@ class BackgroundVerifier:
         why: str | None = None
         try:
             if task.locked and not self._take_lock(job):
-                why = "removed before it was verified"
+                why = REMOVED
             else:
                 if self.before_verify is not None:
                     self.before_verify(job.path)
@@ -358,7 +361,7 @@ class BackgroundVerifier:
         if not job.lock.held:
             # Someone else (``ckptverify watch``) is verifying it: wait for them, then take their current stamp.
             if not self._take_lock(job):
-                return _unverified(job, "deleted", "removed before it was verified")
+                return _unverified(job, "deleted", REMOVED)
             stamp = read_stamp(job.path)
             if stamp is not None and stamp.current and (bool(stamp.data.get("deep")) or not job.options.verify.deep):
                 job.lock.release()
