@@ -170,8 +170,7 @@ class BackgroundVerifier:
 
     def submit(self, path: str | os.PathLike[str], *, step: int | None = None,
                options: AfterSave | None = None, task: Task | None = None, parts: bool = False) -> None:
-        """Queue the committed checkpoint ``path`` (or ``task``) and return at once. Its verifying lock is taken now
-        when
+        """Queue the committed checkpoint ``path`` (or ``task``) and return at once; its verifying lock is taken now if
         free (not for a ``locked=False`` task). ``parts``: verification shared among the writing nodes; this verifier
         checks the whole and its node's files, gathers the others and stamps (:mod:`~ckptverify.verifier.parts`)."""
         options = options or AfterSave(verify=VerifyOptions(when="background"))

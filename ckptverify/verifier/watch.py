@@ -128,8 +128,7 @@ class WatchResult:
     @property
     def exit_code(self) -> int:
         """1 if a checkpoint failed; else 2 if one could not be verified, a result or metrics could not be recorded, or
-        no
-        checkpoint was found (a usage error); else 1 if none found was finished; else 0."""
+        no checkpoint was found (a usage error); else 1 if none found was finished; else 0."""
         if self.failed:
             return 1
         if self.state.unverifiable or self.problems or self.state.checkpoints == self.state.deleted:
