@@ -91,7 +91,7 @@ class VerifyCheckpointsCallback(Callback):
                 setattr(obj, name, before)
         with contextlib.suppress(AttributeError):
             delattr(trainer.strategy, _WRAPPED)
-        if stage != "exception":
+        if self.verifier.background and stage != "exception":
             # Every write is done (the async plugin was torn down first); every rank is here, the group is up.
             self.verdicts = self.verifier.settle(self.verdicts, group=self._group(trainer))
 
