@@ -266,8 +266,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
         parts, merged = _summarize(path, nodes, mine, reports, mine.stats.get("bytes"))
     if adopt is True or (adopt and merged is not None and adopt(merged)):
         if missing:  # their files cannot go into a manifest unread
-            _tidy_parts(path, [n["node"] for n in nodes])
-            return unverified(path, step, "error", _silent(missing, wait_s))
+            return _silent(path, step, nodes, missing, wait_s)
         try:
             with pacing(throttle):
                 adopted, note, written = _adopt(path, jobs, reports, scanned, read_all=adopt is True)
@@ -284,8 +283,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     assert parts is not None and merged is not None
     if missing and merged.passed:
         # Not a pass: what those nodes wrote was not checked.
-        _tidy_parts(path, [n["node"] for n in nodes])
-        return unverified(path, step, "error", _silent(missing, wait_s))
+        return _silent(path, step, nodes, missing, wait_s)
     moved = unmoved(path, step, merged.passed, before, settle, changed=changed)
     if moved is not None:
         return moved
@@ -294,7 +292,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
                       "verdict": "unreported"})
     verdict = stamp(path, step, merged, before, started, throttle, parts=parts)
     if verdict.stamped:
-        _tidy_parts(path, [n["node"] for n in nodes])
+        _tidy_parts(path, nodes)
     return verdict
 
 
@@ -363,10 +361,15 @@ def _judged(adopted: Any, deep: Any) -> Any:
                   stats={**adopted.stats, "deep": True})
 
 
-def _silent(missing: list[dict[str, Any]], wait_s: float | None) -> str:
+def _silent(path: str, step: int | None, nodes: list[dict[str, Any]], missing: list[dict[str, Any]],
+            wait_s: float | None) -> Any:
+    """No verdict: the ``missing`` parts did not report, so their files are unchecked (the parts' files removed)."""
+    from ckptverify.verifier.verification import unverified
+
+    _tidy_parts(path, nodes)
     names = "; ".join(f"{_describe_node(n)}: {', '.join(n['files'])}" for n in missing)
-    return (f"the part of {len(missing)} node(s) did not report within "
-            f"{part_timeout() if wait_s is None else wait_s} s, so their files are unchecked: {names}")
+    return unverified(path, step, "error", f"the part of {len(missing)} node(s) did not report within "
+                      f"{part_timeout() if wait_s is None else wait_s} s, so their files are unchecked: {names}")
 
 
 def _summarize(path: str, nodes: list[dict[str, Any]], mine: Any, reports: list[tuple[dict[str, Any], Any]],
@@ -502,8 +505,8 @@ def _adopt_folder(path: str, jobs: int | None, reports: list[tuple[dict[str, Any
     return report, "; ".join(said), True
 
 
-def _tidy_parts(root: str, nodes: list[int]) -> None:
-    """The plan and the part verdicts are done with once the stamp records them."""
-    for name in [PARTS_PLAN, *(os.path.basename(part_verdict_path(root, k)) for k in nodes)]:
+def _tidy_parts(root: str, nodes: list[dict[str, Any]]) -> None:
+    """The plan and the part verdicts (of the plan's ``nodes``) are done with once the stamp records them."""
+    for name in [PARTS_PLAN, *(os.path.basename(part_verdict_path(root, n["node"])) for n in nodes)]:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(root, name))
