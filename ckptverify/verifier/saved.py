@@ -192,12 +192,7 @@ def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: 
         # Deleted as the stamp was written (an rmtree listing it before the stamp fails on it): tidy ours too.
         return was_deleted(root, step, time.perf_counter() - started), {}
     verdict = verification_of(root, report, step, time.perf_counter() - started, stamp, stamp_error)
-    extra: dict[str, Any] = {}
-    if fp_note is not None:
-        extra["fingerprint"] = fp_note
-    if stamp_error is not None:
-        extra["stamp_error"] = stamp_error
-    return verdict, extra
+    return verdict, {k: v for k, v in (("fingerprint", fp_note), ("stamp_error", stamp_error)) if v is not None}
 
 
 def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int | None, deep: bool,
