@@ -185,12 +185,8 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
         "step": step,
         "checked_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
-    if throttled_s is not None:
-        data["throttled_s"] = throttled_s
-    if parts is not None:
-        data["parts"] = parts
-    if suspect is not None:
-        data["suspect"] = suspect
+    data.update((k, v) for k, v in (("throttled_s", throttled_s), ("parts", parts), ("suspect", suspect))
+                if v is not None)
     text = json.dumps(data, indent=1, default=str)
     if paths.is_url(folder):  # one PUT: an object appears whole or not at all, as the rename makes a file
         from ckptverify.safeparse import remote
