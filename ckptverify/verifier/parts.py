@@ -106,10 +106,7 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
             "ranks": mine.get("ranks"), "files": files, "passed": report.passed, "changed": changed,
             "signatures": before, "bytes": int(report.stats.get("bytes") or 0),
             "seconds": round(time.perf_counter() - started, 6), "report": report.to_dict()}
-    if adoption is not None:
-        data["adoption"] = adoption
-    if deep is not None:
-        data["deep"] = deep
+    data.update((k, v) for k, v in (("adoption", adoption), ("deep", deep)) if v is not None)
     try:
         write_atomic(part_verdict_path(root, node), json.dumps(data, default=str), prefix=STAMP_TEMP_PREFIX)
     except OSError as exc:
