@@ -60,12 +60,10 @@ class ProductionOptions:
             raise UsageError(f"run_dir must be a local or mounted directory path, got {self.run_dir!r}; verify, "
                              "scan and latest read object-store URLs")
         object.__setattr__(self, "verify", verify_options("Run.main", self.verify))  # the same checks as save's
-        if self.steps < 1:
-            raise UsageError(f"steps must be at least 1, got {self.steps}")
-        if self.save_every is not None and self.save_every < 1:
-            raise UsageError(f"save_every must be at least 1, got {self.save_every}")
-        if self.trace_every < 1:
-            raise UsageError(f"trace_every must be at least 1, got {self.trace_every}")
+        for name in ("steps", "save_every", "trace_every"):  # save_every may be None (never)
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UsageError(f"{name} must be at least 1, got {value}")
         failure_policy("on_replica_mismatch", self.on_replica_mismatch)
         if self.resume not in RESUME_MODES:
             raise UsageError(f"resume must be one of {', '.join(map(repr, RESUME_MODES))}, got {self.resume!r}")
