@@ -267,7 +267,7 @@ class BackgroundVerifier:
             self._closed = True
         self._queue.put(None)
         if not done:
-            self._child.kill()  # no verifier process outlives the job
+            self._child.close(now=True)  # no verifier process outlives the job
         return done
 
     # ------------------------------------------------------------------ internals

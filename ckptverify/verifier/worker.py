@@ -273,54 +273,41 @@ class VerifierProcess:
             proc.stdin.flush()
             line = proc.stdout.readline()
         except OSError as exc:  # could not start it, or it died as the request went out
-            self.kill()
+            self.close(now=True)
             return None, f"the verifier process failed: {type(exc).__name__}: {exc}"
         try:
             data = json.loads(line) if line else None
         except ValueError:
             data = None
         if not isinstance(data, dict):
-            self.kill()
+            self.close(now=True)
             code = proc.poll()
             return None, f"the verifier process ended without an answer (exit code {code})"
         if "protocol_error" not in data and data.pop("seq", None) != sent["seq"]:
             # an answer to another request: out of step, so no later answer can be trusted either
-            self.kill()
+            self.close(now=True)
             return None, "the verifier process answered another request"
         return data, ""
 
-    def close(self) -> None:
-        """Let the process end (end of its input), or end it."""
+    def close(self, *, now: bool = False) -> None:
+        """Let the process end (end of its input; killed after 10 s), or with ``now`` end it at once."""
         proc, self._proc = self._proc, None
         self._close_hurry()
         if proc is None:
             return
+        if now and proc.poll() is None:
+            proc.kill()
         with contextlib.suppress(OSError):
             assert proc.stdin is not None
             proc.stdin.close()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=None if now else 10)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
         with contextlib.suppress(OSError):
             if proc.stdout is not None:
                 proc.stdout.close()
-
-    def kill(self) -> int | None:
-        """End the process now; its exit code."""
-        proc, self._proc = self._proc, None
-        self._close_hurry()
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.kill()
-        code = proc.wait()
-        for stream in (proc.stdin, proc.stdout):
-            with contextlib.suppress(OSError):
-                if stream is not None:
-                    stream.close()
-        return code
 
 
 def restore_priority(nice: int, thread: int | None = None) -> bool:
