@@ -74,14 +74,11 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                                       "special file); it is not replaced: remove it by hand if it is yours")
 
     started = time.perf_counter()
-    if single:
-        return _fingerprint_described(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
-                                      trust_uncheckable=trust_uncheckable, started=started)
-    if not paths.isdir(root):
+    if not single and not paths.isdir(root):
         raise CheckpointNotFoundError(f"checkpoint path does not exist: {root}")
     from ckptverify.audit.verify import _other_format
 
-    if _other_format(root)[0] == "folder":
+    if single or _other_format(root)[0] == "folder":
         return _fingerprint_described(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
                                       trust_uncheckable=trust_uncheckable, started=started)
     # Many small acyclic objects (see gcpause): a third of the time of 100 000 items without the pause.

@@ -40,6 +40,7 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jo
     B's names with ``B_PREFIX`` instead (longest prefix wins; one side may be empty). Raises
     :class:`~ckptverify.errors.UsageError` for a malformed mapping or one mapping two names of A onto one.
     """
+    from ckptverify.audit.verify import is_dcp
     from ckptverify.errors import CheckpointNotFoundError
 
     mapping = parse_prefix_map(map_prefix)
@@ -54,7 +55,8 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jo
     stats: dict[str, Any] = {}
     try:
         for tag, root in zip("AB", roots, strict=True):
-            side = _open_side(root, jobs or default_jobs(), progress)
+            workers = jobs or default_jobs()
+            side = _DcpSide(root, workers, progress) if is_dcp(root) else _DescribedSide(root, workers)
             sides.append(side)
             findings.extend(error(f.check, f"[{tag}] {f.message}", location=f.location, expected=f.expected,
                                   actual=f.actual) for f in side.errors)
@@ -279,12 +281,6 @@ class _Side:
         pass
 
 
-def _open_side(root: str, jobs: int, progress: ProgressSink | None) -> _Side:
-    from ckptverify.audit.verify import is_dcp
-
-    return _DcpSide(root, jobs, progress) if is_dcp(root) else _DescribedSide(root, jobs)
-
-
 class _DescribedSide(_Side):
     """A single file or folder through :func:`~ckptverify.formats.describe.describe`.
 
@@ -338,12 +334,8 @@ class _DescribedSide(_Side):
     def fingerprints(self, names: set[str]) -> dict[str, str]:
         # As read_tensor bounds a view, and a file changing here leaves its tensors uncompared.
         return rebuilt_fingerprints(self.desc, names - self.damaged, lambda only: deep_check.scan_description(
-            self.desc, _serial_map, only=only, view_limit=None, stop_on_change=False)[0])
-
-
-
-def _serial_map(fn: Any, items: list[Any]) -> list[Any]:
-    return [fn(x) for x in items]
+            self.desc, lambda fn, items: [fn(x) for x in items], only=only, view_limit=None,
+            stop_on_change=False)[0])
 
 
 def _manifest_proven(root: str, desc: Description, files: set[str]) -> set[tuple[str, int, int]]:
@@ -612,15 +604,13 @@ def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
     """Bitwise comparison of two same-shape, same-dtype tensors, with magnitudes where they make sense."""
     import torch
 
-    if a.dtype == torch.bool:
-        ia, ib = a.view(torch.uint8), b.view(torch.uint8)
-    elif a.is_complex():
-        ia, ib = torch.view_as_real(a).flatten(-2), torch.view_as_real(b).flatten(-2)
-        ia = ia.contiguous().view(getattr(torch, _INT_OF_SIZE[ia.element_size()]))
-        ib = ib.contiguous().view(getattr(torch, _INT_OF_SIZE[ib.element_size()]))
-    else:
-        ints = getattr(torch, _INT_OF_SIZE[a.element_size()])
-        ia, ib = a.contiguous().view(ints), b.contiguous().view(ints)
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.bool:
+            return t.view(torch.uint8)
+        t = torch.view_as_real(t).flatten(-2) if t.is_complex() else t
+        return t.contiguous().view(getattr(torch, _INT_OF_SIZE[t.element_size()]))
+
+    ia, ib = bits(a), bits(b)
     neq = (ia != ib).reshape(-1)
     if a.is_complex():
         neq = neq.view(-1, 2).any(dim=1)

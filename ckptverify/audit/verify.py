@@ -65,28 +65,32 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     if not paths.lexists(root):
         raise CheckpointNotFoundError(f"checkpoint path does not exist: {root}")
     started = time.perf_counter()
-    if not paths.isdir(root):
-        report = _verify_file(root, started, deep, use_manifest)
-        return fail_uncheckable(report) if strict else report
-    other, found, unseen = _other_format(root)
+    other, found, unseen = _other_format(root) if paths.isdir(root) else ("file", [], False)
     if other == "run-directory":
         newest = next((c for c in reversed(found) if c.step is not None), found[-1])
         held = f"{len(found)} checkpoint(s)" if not unseen else f"at least {len(found)} checkpoint(s)"
         raise UsageError(f"{root} is a run directory holding {held} (newest seen: {newest.path}), "
                          f"not a checkpoint: name one of them, or run `ckptverify scan {root}` for all")
-    if other is not None:
+    if other == "file":
+        report = _verify_file(root, started, deep, use_manifest)
+    elif other is not None:
         report = _verify_folder(root, jobs, deep, use_manifest, started)
-        return fail_uncheckable(report) if strict else report
-    run = VerificationRun(root, jobs or _default_jobs(root), progress, executor=executor)
+    else:
+        run = VerificationRun(root, jobs or _default_jobs(root), progress, executor=executor)
+        report = _executed(run, deep, use_manifest, started)
+        if use_manifest:
+            advice = _fingerprint_advice(root, list(report.findings), bool(report.stats.get("manifest")))
+            report = dataclasses.replace(report, findings=(*report.findings, *advice))
+    return fail_uncheckable(report) if strict else report
+
+
+def _executed(run: VerificationRun, deep: bool, use_manifest: bool, started: float) -> Report:
+    """``run`` executed (and closed): its report."""
     try:
         run.execute(deep=deep, use_manifest=use_manifest)
     finally:
         run.close()
-    report = run.report("verify", time.perf_counter() - started)
-    if use_manifest:
-        advice = _fingerprint_advice(root, list(report.findings), bool(report.stats.get("manifest")))
-        report = dataclasses.replace(report, findings=(*report.findings, *advice))
-    return fail_uncheckable(report) if strict else report
+    return run.report("verify", time.perf_counter() - started)
 
 
 def needs_manifest(report: Report) -> bool:
@@ -120,11 +124,7 @@ def verify_part(path: str | os.PathLike[str], *, jobs: int | None = None, only: 
         report.stats["deep"] = deep
         return report
     run = VerificationRun(root, jobs or default_jobs(), None, only=only, skip=skip, executor=executors.get(""))
-    try:
-        run.execute(deep=deep, use_manifest=use_manifest)
-    finally:
-        run.close()
-    report = run.report("verify", time.perf_counter() - started)
+    report = _executed(run, deep, use_manifest, started)
     # Named also when this part skips nothing (every other node's ranks wrote no file).
     report.stats["opened"] = run.opened_files()
     return report
@@ -236,11 +236,8 @@ def _verify_file(path: str, started: float, deep: bool = False, use_manifest: bo
     coverage = [*coverage, *more]
     if use_manifest:
         found.extend(_fingerprint_advice(path, found, with_manifest))
-    seconds = time.perf_counter() - started
-    stats = {"seconds": round(seconds, 6), "files": 1, "bytes": facts.get("bytes", 0),
-             "throughput_bytes_per_s": _throughput(facts.get("bytes", 0), seconds),
-             "format": facts.get("format"), "tensors": len(facts.get("tensors", {})), "manifest": with_manifest,
-             "deep": deep}
+    stats = _stats(started, 1, facts.get("bytes", 0), facts.get("format"), with_manifest, deep,
+                   tensors=len(facts.get("tensors", {})))
     return Report(command="verify", target=path, findings=tuple(cap_findings(found)),
                   coverage=merge_coverage(coverage), stats=stats)
 
@@ -259,10 +256,8 @@ def verify_folder_files(root: str | os.PathLike[str], *, deep: bool = False,
                                                     described=facts["description"])
     if use_manifest:
         findings.extend(_fingerprint_advice(path, findings, with_manifest))
-    seconds = time.perf_counter() - started
-    stats = {"seconds": round(seconds, 6), "files": len(facts["files"]), "bytes": facts.get("bytes", 0),
-             "throughput_bytes_per_s": _throughput(facts.get("bytes", 0), seconds), "format": "folder",
-             "parts": facts["dcp_parts"], "manifest": with_manifest, "deep": deep}
+    stats = _stats(started, len(facts["files"]), facts.get("bytes", 0), "folder", with_manifest, deep,
+                   parts=facts["dcp_parts"])
     return Report(command="verify", target=path, findings=tuple(findings), coverage=merge_coverage(
         [*coverage, *more]), stats=stats), sorted(facts["files"])
 
@@ -292,18 +287,20 @@ def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, 
         with_manifest = with_manifest and bool(sub.stats.get("manifest"))
     if use_manifest:
         findings.extend(_fingerprint_advice(root, findings, with_manifest))
-    seconds = time.perf_counter() - started
-    stats = {"seconds": round(seconds, 6), "files": files.stats["files"], "bytes": total,
-             "throughput_bytes_per_s": _throughput(total, seconds), "format": "folder",
-             "parts": files.stats["parts"], "manifest": with_manifest, "deep": deep}
+    stats = _stats(started, files.stats["files"], total, "folder", with_manifest, deep, parts=files.stats["parts"])
     if skip is not None:
         stats["opened"] = sorted(opened)
     return Report(command="verify", target=root, findings=tuple(cap_findings(findings)),
                   coverage=merge_coverage(cover), stats=stats)
 
 
-def _throughput(n: int, seconds: float) -> int | None:
-    return round(n / seconds) if n and seconds > 0 else None
+def _stats(started: float, files: int, nbytes: int, fmt: Any, with_manifest: bool, deep: bool,
+           **more: Any) -> dict[str, Any]:
+    """A report's ``stats`` of a file or folder verification begun at ``started`` (``more`` after ``format``)."""
+    seconds = time.perf_counter() - started
+    return {"seconds": round(seconds, 6), "files": files, "bytes": nbytes,
+            "throughput_bytes_per_s": round(nbytes / seconds) if nbytes and seconds > 0 else None, "format": fmt,
+            **more, "manifest": with_manifest, "deep": deep}
 
 
 #: The advice that ``fingerprint`` would protect content nothing can check now.
@@ -323,8 +320,6 @@ def _fingerprint_advice(path: str, findings: list[Finding], with_manifest: bool)
 
 def fail_uncheckable(report: Report) -> Report:
     """``report`` with every ``content-uncheckable`` warning raised to an error (fail closed)."""
-    import dataclasses
-
     from ckptverify.findings import Severity
 
     findings = tuple(

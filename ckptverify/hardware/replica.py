@@ -123,8 +123,8 @@ class ReplicaCheck:
                 found.append(mismatch)
         for mismatch in found:
             self._report(mismatch)
-        if not found and not grads:
-            self._agreed(step)
+        if not found and not grads and self._episode is not None:
+            self._close_episode(agreed_at=step)  # every replica group agreed: the open episode ends here
         return found
 
     def check_late(self, step: int) -> list[ReplicaMismatch]:
@@ -150,11 +150,10 @@ class ReplicaCheck:
         names: list[str] = []
         tensors: list[Any] = []
         for name, p in bucket.params:
+            names.append(name)
             if grads:
-                names.append(name)
                 tensors.append(None if p.grad is None else local_view(p.grad))
                 continue
-            names.append(name)
             tensors.append(local_view(p))
             state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
             for key in sorted(state, key=str):
@@ -249,12 +248,6 @@ class ReplicaCheck:
             warnings.warn(f"{message}; further mismatched steps of this episode are counted, not repeated",
                           CkptVerifyWarning, stacklevel=3)
             sys.stderr.flush()
-
-    def _agreed(self, step: int) -> None:
-        """Every replica group agreed at ``step``: the open episode, if any, ends here."""
-        if self._episode is None:
-            return
-        self._close_episode(agreed_at=step)
 
     def _close_episode(self, *, agreed_at: int | None) -> None:
         episode = self._episode

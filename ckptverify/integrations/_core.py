@@ -47,12 +47,10 @@ from ckptverify.verifier.saved import (
 )
 from ckptverify.verifier.verification import Verification, event_of, unverified
 
-__all__ = ["WHEN", "Verifier", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts"]
+__all__ = ["WHEN", "Verifier", "integration_verify", "numbered_folders"]
 
 #: When an integration verifies a saved checkpoint (every save is verified: ``"off"`` is not one).
 WHEN: tuple[str, ...] = ("inline", "background")
-#: Errors carried by a verdict (and broadcast): the first few suffice.
-_MAX_ERRORS = 5
 
 
 def integration_verify(where: str, verify: VerifyOptions | str) -> VerifyOptions:
@@ -163,6 +161,12 @@ class Verifier:
         _refuse_earlier(earlier)
         return arrived  # type: ignore[return-value]
 
+    def settle(self, verdicts: list[Verification], *, group: Group = Group()) -> list[Verification]:
+        """:meth:`wait` (every rank calls), then ``verdicts`` with each pending one replaced by the verdict that arrived
+        for it (same path and step)."""
+        final = {(v.path, v.step): v for v in self.wait(group=group)}
+        return [final.get((v.path, v.step), v) if v.pending else v for v in verdicts]
+
     def pending(self) -> list[str]:
         """The checkpoints handed to the background verifier and not finished yet (on the coordinator)."""
         with self._lock:
@@ -171,7 +175,7 @@ class Verifier:
     def before_resume(self, path: str | os.PathLike[str], *, group: Group = Group()) -> Verification:
         """Verify ``path`` before it is loaded (after any pending background check), read-only; refuse on every rank if
         it fails or cannot be verified. Returns the verdict when it passed."""
-        verdict = self.check(path, group=group, event="resume", warn=False)
+        verdict = self.check(path, group=group, warn=False)
         if not verdict.passed:
             raise CheckpointRefusedError(f"refusing to resume: {verdict.message}", verdict.report)
         return verdict
@@ -183,7 +187,7 @@ class Verifier:
         """
         refused: list[Verification] = []
         for path in paths:
-            verdict = self.check(path, group=group, event="resume")
+            verdict = self.check(path, group=group)
             if verdict.passed:
                 return verdict
             refused.append(verdict)
@@ -192,21 +196,29 @@ class Verifier:
         raise CheckpointRefusedError(f"refusing to resume: none of the {len(refused)} checkpoint(s) under {folder} "
                                      f"verifies; newest: {refused[0].message}", refused[0].report)
 
-    def check(self, path: str | os.PathLike[str], *, group: Group = Group(), event: str = "resume",
-              warn: bool = True) -> Verification:
-        """Verify ``path`` read-only on the coordinator (after any pending background check), log ``{event}-verified``
-        or ``{event}-refused``, and return the verdict on every rank. Never raises for a failing checkpoint."""
+    def newest_numbered(self, folder: str, number: Callable[[str], re.Match[str] | None], *,
+                        group: Group = Group()) -> Verification | None:
+        """:meth:`newest_verified` over the folders in ``folder`` whose name ``number`` matches (group 1: ``N``),
+        listed on the coordinator; links are not followed (a resume follows no link planted among the checkpoints).
+        """
+        names = group.share(lambda: [n for _, n in numbered_folders(
+            folder, number, lambda path: os.path.isdir(path) and not os.path.islink(path))])
+        return self.newest_verified([os.path.join(folder, n) for n in names], folder, group=group)
+
+    def check(self, path: str | os.PathLike[str], *, group: Group = Group(), warn: bool = True) -> Verification:
+        """Verify ``path`` read-only on the coordinator (after any pending background check), log ``resume-verified``
+        or ``resume-refused``, and return the verdict on every rank. Never raises for a failing checkpoint."""
         root = os.fspath(path)
         mine = None
         if group.coordinator:
             _await_background(root)
             verdict = self._verify_only(root)
-            self._emit(root, f"{event}-verified" if verdict.passed else f"{event}-refused", verdict, group.rank)
+            self._emit(root, "resume-verified" if verdict.passed else "resume-refused", verdict, group.rank)
             mine = [verdict]
         verdict = _agree(mine, group)[0]
         assert verdict is not None
         if warn and not verdict.passed and group.coordinator:
-            warnings.warn(f"{event}: {verdict.message}", VerifyFailedWarning, stacklevel=3)
+            warnings.warn(f"resume: {verdict.message}", VerifyFailedWarning, stacklevel=3)
         return verdict
 
     # -- coordinator side
@@ -257,7 +269,9 @@ class Verifier:
         """A background verification finished (verifier thread): event, warning, and a failure kept for the next save.
         """
         extra: dict[str, Any] = {}
-        if result is None and why == "removed before it was verified":
+        from ckptverify.verifier.background import REMOVED
+
+        if result is None and why == REMOVED:
             verdict, event = was_deleted(root, step), "checkpoint-deleted"
         elif result is None:
             verdict, event = cannot_verify(root, f"the background verification did not finish: {why}", step), \
@@ -363,17 +377,6 @@ def numbered_folders(root: str, number: Callable[[str], re.Match[str] | None],
         return []
     found = [(int(m.group(1)), n) for n in names if (m := number(n)) and keep(os.path.join(root, n))]
     return sorted(found, reverse=True)
-
-
-def plain_folder(path: str) -> bool:
-    """A folder, not a link to one (a resume follows no link planted among the checkpoints)."""
-    return os.path.isdir(path) and not os.path.islink(path)
-
-
-def settle_verdicts(verdicts: list[Verification], arrived: list[Verification]) -> list[Verification]:
-    """``verdicts`` with each pending one replaced by the verdict that arrived for it (same path and step)."""
-    final = {(v.path, v.step): v for v in arrived}
-    return [final.get((v.path, v.step), v) if v.pending else v for v in verdicts]
 
 
 def _cut(path: str, step: int | None, why: str) -> Verification:

@@ -24,14 +24,7 @@ import re
 from typing import Any
 
 from ckptverify.errors import CheckpointRefusedError, UsageError
-from ckptverify.integrations._core import (
-    Fingerprint,
-    Verifier,
-    integration_verify,
-    numbered_folders,
-    plain_folder,
-    warn_if_accumulating,
-)
+from ckptverify.integrations._core import Fingerprint, Verifier, integration_verify, warn_if_accumulating
 from ckptverify.options import VerifyOptions, verify_options
 from ckptverify.state.distributed import Group, torch_group
 from ckptverify.verifier.verification import Verification
@@ -110,8 +103,7 @@ def _background_verifier(accelerator: Any, settings: dict[str, Any]) -> Verifier
     if verifier is None:
         setattr(accelerator, _VERIFIER, fresh)
         return fresh
-    verifier.verify, verifier.on_failure, verifier.fingerprint = fresh.verify, fresh.on_failure, fresh.fingerprint
-    verifier.deep, verifier.jobs, verifier.events_dir = fresh.deep, fresh.jobs, fresh.events_dir
+    vars(verifier).update((k, v) for k, v in vars(fresh).items() if not k.startswith("_"))  # its queue stays
     return verifier
 
 
@@ -120,18 +112,14 @@ def _newest_verified(accelerator: Any, verifier: Verifier, group: Group) -> Veri
         raise UsageError("load_state needs input_dir unless the Accelerator's ProjectConfiguration has "
                          "automatic_checkpoint_naming=True")
     folder = os.path.join(accelerator.project_dir, "checkpoints")
-    names = group.share(lambda: [n for _, n in numbered_folders(folder, _LAST_NUMBER.search, plain_folder)])
-    verdict = verifier.newest_verified([os.path.join(folder, n) for n in names], folder, group=group)
+    verdict = verifier.newest_numbered(folder, _LAST_NUMBER.search, group=group)
     if verdict is None:
         raise CheckpointRefusedError(f"no checkpoint to load under {folder}")
     return verdict
 
 
-def _events_dir(accelerator: Any, events_dir: str | os.PathLike[str] | None) -> str | None:
-    if events_dir is not None:
-        return os.fspath(events_dir)
-    project = accelerator.project_dir
-    return None if project is None else os.fspath(project)
+def _events_dir(accelerator: Any, events_dir: str | os.PathLike[str] | None) -> str | os.PathLike[str] | None:
+    return events_dir if events_dir is not None else accelerator.project_dir
 
 
 def _group(accelerator: Any) -> Group:

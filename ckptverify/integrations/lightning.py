@@ -28,13 +28,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 
-from ckptverify.integrations._core import (
-    Fingerprint,
-    Verifier,
-    integration_verify,
-    settle_verdicts,
-    warn_if_accumulating,
-)
+from ckptverify.integrations._core import Fingerprint, Verifier, integration_verify, warn_if_accumulating
 from ckptverify.options import VerifyOptions
 from ckptverify.state.distributed import Group, torch_group
 from ckptverify.verifier.verification import Verification
@@ -49,13 +43,10 @@ class VerifyCheckpointsCallback(Callback):
     """Verify each checkpoint the trainer saves, and the ``ckpt_path`` it resumes from.
 
     Args:
-        verify: a :class:`~ckptverify.options.VerifyOptions` or its ``when``: ``"inline"`` (default) or
-            ``"background"`` (``teardown`` waits). ``on_failure``: ``"warn"`` (default:
-            :class:`~ckptverify.errors.VerifyFailedWarning` and an event) or ``"raise"``
-            (:class:`~ckptverify.errors.CheckpointRefusedError` stops training). ``deep``: as for
-            :class:`~ckptverify.integrations.Verifier`.
+        verify, fingerprint, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier` (``"background"``:
+            ``teardown`` waits; ``on_failure="raise"``: :class:`~ckptverify.errors.CheckpointRefusedError` stops
+            training).
         verify_resume: refuse a ``ckpt_path`` that fails verification (default ``True``).
-        fingerprint, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier`.
 
     ``verdicts``: the verdicts of the saves so far, on every rank (pending ones until ``teardown``).
     """
@@ -102,8 +93,7 @@ class VerifyCheckpointsCallback(Callback):
             delattr(trainer.strategy, _WRAPPED)
         if self.verifier.background and stage != "exception":
             # Every write is done (the async plugin was torn down first); every rank is here, the group is up.
-            arrived = self.verifier.wait(group=self._group(trainer))
-            self.verdicts = settle_verdicts(self.verdicts, arrived)
+            self.verdicts = self.verifier.settle(self.verdicts, group=self._group(trainer))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning skips the teardown hooks when a run stops on an exception (a refused resume, for one).
@@ -169,16 +159,13 @@ class VerifyCheckpointsCallback(Callback):
         return load_checkpoint
 
     def _removing(self, trainer: pl.Trainer, remove: Any) -> Any:
-        from ckptverify.audit.adopt import file_manifest_path
-        from ckptverify.runs.stamp import stamp_path
+        from ckptverify.verifier.saved import remove_beside
 
         def remove_checkpoint(filepath: Any) -> None:
             path = os.fspath(filepath)
-            beside = (stamp_path(path), file_manifest_path(path)) if os.path.isfile(path) else ()
+            single = os.path.isfile(path)
             remove(filepath)
-            if trainer.is_global_zero and not os.path.lexists(path):
-                for name in beside:  # ckptverify's own files, kept beside a single-file checkpoint
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(name)
+            if single and trainer.is_global_zero:
+                remove_beside(path)
 
         return remove_checkpoint

@@ -27,12 +27,7 @@ from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 
 from ckptverify.errors import UsageError
-from ckptverify.integrations._core import (
-    WHEN,
-    Verifier,
-    numbered_folders,
-    settle_verdicts,
-)
+from ckptverify.integrations._core import WHEN, Verifier, numbered_folders
 from ckptverify.options import VerifyOptions, failure_policy
 from ckptverify.state.distributed import torch_group
 from ckptverify.verifier.verification import Verification
@@ -133,8 +128,8 @@ class VerifiedCheckpointManager(CheckpointManager):
         if self._pending is not None and self.save_future is not None:
             self._wait_for_saving()
         try:
-            if self.enable and self.verifier.background:
-                self.verdicts = settle_verdicts(self.verdicts, self.verifier.wait(group=torch_group()))
+            if self.enable:
+                self.verdicts = self.verifier.settle(self.verdicts, group=torch_group())
         finally:
             super()._close()
 

@@ -25,15 +25,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ckptverify.integrations._core import (
-    Fingerprint,
-    Verifier,
-    integration_verify,
-    numbered_folders,
-    plain_folder,
-    settle_verdicts,
-    warn_if_accumulating,
-)
+from ckptverify.integrations._core import Fingerprint, Verifier, integration_verify, warn_if_accumulating
 from ckptverify.options import VerifyOptions
 from ckptverify.state.distributed import torch_group
 from ckptverify.verifier.verification import Verification
@@ -47,11 +39,8 @@ class VerifyCheckpointsCallback(TrainerCallback):
     """Verify, stamp and log each ``checkpoint-N`` right after the ``Trainer`` saves it.
 
     Args:
-        verify: a :class:`~ckptverify.options.VerifyOptions` or its ``when``: ``"inline"`` (default) or
-            ``"background"`` (``on_train_end`` waits); ``on_failure``: ``"warn"`` (default) or ``"raise"``
-            (:class:`~ckptverify.errors.CheckpointRefusedError` on every rank); ``deep``: as for
-            :class:`~ckptverify.integrations.Verifier`.
-        fingerprint, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier`.
+        verify, fingerprint, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier` (``"background"``:
+            ``on_train_end`` waits).
 
     ``verdicts``: the verdicts so far (pending ones until ``on_train_end``).
     """
@@ -69,8 +58,7 @@ class VerifyCheckpointsCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if self.verifier.background:
-            self.verdicts = settle_verdicts(self.verdicts, self.verifier.wait(group=torch_group()))
+        self.verdicts = self.verifier.settle(self.verdicts, group=torch_group())
         return control
 
 
@@ -81,9 +69,7 @@ def verified_resume_checkpoint(output_dir: str | os.PathLike[str], *, jobs: int 
     :class:`~ckptverify.errors.CheckpointRefusedError` if some exist and none verifies. Every rank calls it."""
     root = os.fspath(output_dir)
     group = torch_group()
-    found = group.share(lambda: [n for _, n in numbered_folders(root, _CHECKPOINT.match, plain_folder)])
-    verifier = Verifier(jobs=jobs, events_dir=events_dir or root)
-    verdict = verifier.newest_verified([os.path.join(root, n) for n in found], root, group=group)
+    verdict = Verifier(jobs=jobs, events_dir=events_dir or root).newest_numbered(root, _CHECKPOINT.match, group=group)
     return None if verdict is None else verdict.path
 
 

@@ -100,12 +100,13 @@ def part_verdict_path(root: str, node: int) -> str:
     return os.path.join(root, f"{PARTS_PREFIX}-{int(node)}.json")
 
 
-def read_json(path: str) -> dict[str, Any] | None:
+def read_json(path: str, limit: int = MAX_BYTES) -> dict[str, Any] | None:
+    """The JSON object in the small regular file ``path`` (at most ``limit`` bytes), else ``None``."""
     from ckptverify.safeparse import safejson
     from ckptverify.safeparse.readers import read_small_file
 
     try:
-        data = safejson.loads(read_small_file(path, MAX_BYTES))
+        data = safejson.loads(read_small_file(path, limit))
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     return data if isinstance(data, dict) else None

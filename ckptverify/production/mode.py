@@ -60,12 +60,10 @@ class ProductionOptions:
             raise UsageError(f"run_dir must be a local or mounted directory path, got {self.run_dir!r}; verify, "
                              "scan and latest read object-store URLs")
         object.__setattr__(self, "verify", verify_options("Run.main", self.verify))  # the same checks as save's
-        if self.steps < 1:
-            raise UsageError(f"steps must be at least 1, got {self.steps}")
-        if self.save_every is not None and self.save_every < 1:
-            raise UsageError(f"save_every must be at least 1, got {self.save_every}")
-        if self.trace_every < 1:
-            raise UsageError(f"trace_every must be at least 1, got {self.trace_every}")
+        for name in ("steps", "save_every", "trace_every"):  # save_every may be None (never)
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UsageError(f"{name} must be at least 1, got {value}")
         failure_policy("on_replica_mismatch", self.on_replica_mismatch)
         if self.resume not in RESUME_MODES:
             raise UsageError(f"resume must be one of {', '.join(map(repr, RESUME_MODES))}, got {self.resume!r}")
@@ -73,6 +71,16 @@ class ProductionOptions:
 
 def _say(message: str) -> None:
     print(f"ckptverify: {message}", file=sys.stderr, flush=True)
+
+
+def _move_aside(log: Any, root: str, rel: str, step: int | None, state: str, reason: str) -> None:
+    """Move checkpoint ``rel`` into the quarantine, said on stderr and in ``log``; :class:`CkptVerifyError` (nothing
+    moved) when it cannot be."""
+    from ckptverify.runs.latest import move_aside
+
+    moved = move_aside(root, rel)
+    _say(f"moved {rel} aside to {moved} ({state}: {reason}); it is kept as it is, never overwritten")
+    log.emit("checkpoint-moved-aside", path=rel, to=moved, step=step, state=state, reason=reason)
 
 
 def _decide(options: ProductionOptions, refused: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -96,7 +104,7 @@ def _decide_writing(options: ProductionOptions, refused: list[dict[str, Any]]) -
     """:func:`_decide`, raising ``OSError`` when the run directory cannot be written."""
     from ckptverify.ownfiles.events import EventLog
     from ckptverify.ownfiles.names import open_append
-    from ckptverify.runs.latest import is_own_step_dir, latest_verified, move_aside
+    from ckptverify.runs.latest import is_own_step_dir, latest_verified
 
     root = options.run_dir
     log = EventLog(root, rank=0)  # creates the run directory
@@ -152,13 +160,9 @@ def _decide_writing(options: ProductionOptions, refused: list[dict[str, Any]]) -
         if not is_own_step_dir(s["path"]):
             continue
         try:
-            moved = move_aside(root, s["path"])
+            _move_aside(log, root, s["path"], s["step"], s["state"], s["reason"])
         except CkptVerifyError as exc:  # the job does not start over a checkpoint it cannot keep
             return refuse(f"{exc}. The job does not start: a save of it could land on {s['path']}.")
-        _say(f"moved {s['path']} aside to {moved} ({s['state']}: {s['reason']}); it is kept as it is, never "
-             "overwritten")
-        log.emit("checkpoint-moved-aside", path=s["path"], to=moved, step=s["step"], state=s["state"],
-                 reason=s["reason"])
     if found.path is not None:
         newer = f"; {len(found.skipped)} newer skipped" if found.skipped else ""
         _say(f"resuming from {os.path.relpath(found.path, root)} (step {found.step}), the newest checkpoint that "
@@ -360,20 +364,14 @@ class Production:
         if self.replicas is not None:
             self.replicas.flush_late()
         if self.rank == 0:
-            from ckptverify.runs.latest import move_aside
-
             root = self.options.run_dir
             if os.path.lexists(path):
-                rel = os.path.relpath(path, root)
                 try:
-                    moved = move_aside(root, rel)
+                    _move_aside(self.events, root, os.path.relpath(path, root), step, "in-the-way",
+                                "something was already at the path of the save of this step")
                 except CkptVerifyError as exc:  # never saved over it: the job stops, as a refused start does
                     _say(f"{exc}. The save of step {step} would write over it: the job stops.")
                     raise SystemExit(2) from None
-                why = "something was already at the path of the save of this step"
-                _say(f"moved {rel} aside to {moved} ({why}); it is kept as it is, never overwritten")
-                self.events.emit("checkpoint-moved-aside", path=rel, to=moved, step=step, state="in-the-way",
-                                 reason=why)
             suspect = self.replicas.suspect() if self.replicas is not None else None
             if suspect is not None:
                 from ckptverify.runs.stamp import describe_suspect, write_suspect_note
@@ -399,20 +397,16 @@ class Production:
             self.injector.detach()
         if self.replicas is not None:
             self.replicas.finish()  # an episode still open: its count, now
-        if self.rank == 0:
-            pending = 0
-            if self.options.verify.when != "off":
-                from ckptverify.verifier.background import default_verifier, exit_timeout
-
-                verifier = default_verifier()
-                verifier.wait(exit_timeout())  # says so (warning, events) if it cuts any short
-                pending = len(verifier.pending())
-            self.events.emit("end", step=step, **({"unverified": pending} if pending else {}))
-        elif self.options.verify.when != "off":
-            # Another node's lowest rank verifies its part of each save: os._exit would cut it short.
-            from ckptverify.verifier.background import exit_timeout, wait_for_verifications
+        verified = self.options.verify.when != "off"
+        if verified:
+            # Rank 0's verifications, and another node's lowest rank's part of each save (os._exit would cut it
+            # short); one cut short here is said (warning, events).
+            from ckptverify.verifier.background import default_verifier, exit_timeout, wait_for_verifications
 
             wait_for_verifications(exit_timeout())
+        if self.rank == 0:
+            pending = len(default_verifier().pending()) if verified else 0
+            self.events.emit("end", step=step, **({"unverified": pending} if pending else {}))
 
 
 def _write_json(path: str, data: Any) -> None:

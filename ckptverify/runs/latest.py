@@ -15,7 +15,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
@@ -107,8 +107,7 @@ class Latest:
     trust_stamps: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "step": self.step, "skipped": self.skipped, "quarantined": self.quarantined,
-                "unseen": self.unseen, "trust_stamps": self.trust_stamps}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "report"}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Latest:

@@ -40,16 +40,14 @@ def is_locked(path: str) -> bool:
     except OSError:
         return False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released as the descriptor closes
+    except BlockingIOError:
+        return True
+    except OSError:
         return False
     finally:
         os.close(fd)
+    return False
 
 
 def _failed(path: str) -> bool:

@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING, Any
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.formats.rundir import Candidate, find_checkpoints
-from ckptverify.runs.states import GOOD_STATES, INCOMPLETE_CHECKS, judge_report
+from ckptverify.runs.stamp import SETTLE_SECONDS, files_fingerprint, removed
+from ckptverify.runs.states import GOOD_STATES, INCOMPLETE_CHECKS, STATES, judge_report
 from ckptverify.safeparse import paths
 from ckptverify.safeparse.paths import WalkNote
 
 if TYPE_CHECKING:
     from ckptverify.checks.dcp_pipeline import Executor
 
-__all__ = ["SETTLE_SECONDS", "judge", "scan_run_dir", "unseen_findings"]
+__all__ = ["judge", "scan_run_dir", "unseen_findings"]
 
 def _judge_path(path: str, jobs: int | None, deep: bool = False) -> tuple[str, Report]:
     """A DCP checkpoint or a single file, through ``verify``'s own routing (``deep``: as ``verify --deep``)."""
@@ -33,18 +34,14 @@ def _judge_path(path: str, jobs: int | None, deep: bool = False) -> tuple[str, R
     return judge_report(report), report
 
 
-_WORST = {s: n for n, s in enumerate(("verified", "intact", "suspect", "uncheckable", "incomplete", "corrupt"))}
 _DELETED = "removed while it was being verified (retention, or someone deleting it): nothing left to judge"
-#: A failed checkpoint must stay in place this long to be corrupt (retention deletes file by file).
-SETTLE_SECONDS = 1.0
 
 
 def judge(root: str, cand: Candidate, jobs: int | None, *, deep: bool = False) -> tuple[str, str, dict[str, Any]]:
     """State, one-line reason and counts for one candidate, verified exactly as ``verify`` routes it. A good one with
     a suspect note is ``suspect``; one removed meanwhile is ``deleted``: a failed verdict stands only after it stayed
-    in place for :data:`SETTLE_SECONDS` (as the stamper judges). ``deep``: as ``verify --deep``."""
-    from ckptverify.runs.stamp import files_fingerprint, removed
-
+    in place for :data:`~ckptverify.runs.stamp.SETTLE_SECONDS` (as the stamper judges). ``deep``: as
+    ``verify --deep``."""
     path = paths.normpath(os.path.join(root, cand.path))
     before = files_fingerprint(path)
     try:
@@ -106,7 +103,7 @@ def _judge_bytes(root: str, cand: Candidate, jobs: int | None, deep: bool) -> tu
         for k, v in counts_of(report).items():
             counts[k] += v
         reasons.append(f"{part}/: {state}")
-    worst = max(states, key=_WORST.__getitem__)
+    worst = max(states, key=STATES.index)  # STATES runs from best to worst
     return worst, "; ".join(reasons), counts
 
 
@@ -168,7 +165,9 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
     newest = good[-1] if good else None
     for row in rows:
         state = row["state"]
-        if state == "corrupt" and row["quarantined"] and newest is not None and _recovered(row, newest):
+        # Handled when the newest good checkpoint outside quarantine is of its step or later (unknown never count).
+        if state == "corrupt" and row["quarantined"] and newest is not None and row["step"] is not None \
+                and newest["step"] is not None and newest["step"] >= row["step"]:
             row["handled_by"] = {"path": newest["path"], "step": newest["step"]}
             row["reason"] += (f"; handled: the job moved it aside and recovered ({newest['path']}, step "
                               f"{newest['step']}, is good), so it is kept as evidence, not a failure")
@@ -188,12 +187,6 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
              "bytes": sum(r["bytes_checked"] for r in rows), "unseen": [n.to_dict() for n in notes], "deep": deep}
     coverage = (CheckCoverage(check="scan", count=len(rows), unit="checkpoints"),)
     return Report(command="scan", target=root, findings=tuple(findings), coverage=coverage, stats=stats)
-
-
-def _recovered(row: dict[str, Any], newest: dict[str, Any]) -> bool:
-    """Whether the job got past quarantined ``row``: the newest good checkpoint outside quarantine is of its step or
-    later (unknown steps never count)."""
-    return row["step"] is not None and newest["step"] is not None and newest["step"] >= row["step"]
 
 
 def _judged_by_ranks(root: str, candidates: list[Candidate], executor: Executor, jobs: int | None, deep: bool,

@@ -29,14 +29,17 @@ from ckptverify.ownfiles.names import (
 )
 from ckptverify.safeparse import paths, safejson
 
-__all__ = ["Stamp", "committed", "describe_suspect", "files_fingerprint", "read_stamp", "read_suspect", "removed",
-           "stamp_path", "write_stamp", "write_suspect_note"]
+__all__ = ["SETTLE_SECONDS", "Stamp", "committed", "describe_suspect", "files_fingerprint", "read_stamp",
+           "read_suspect", "removed", "stamp_path", "write_stamp", "write_suspect_note"]
 
 STAMP_SCHEMA = "ckptverify/stamp"
 STAMP_VERSION = 1
 SUSPECT_SCHEMA = "ckptverify/suspect"
 #: The most of a stamp that is ever read.
 MAX_STAMP_BYTES = 1 << 20
+#: How long a checkpoint that looks damaged must stay in place before it is judged so: retention deletes file by
+#: file, and a checkpoint on its way out is not corrupt.
+SETTLE_SECONDS = 1.0
 _IGNORED = frozenset({STAMP_FILE, VERIFYING_LOCK})
 _METADATA = ".metadata"
 
@@ -143,14 +146,9 @@ def _read(path: str, limit: int) -> bytes | None:
 
 def _manifest_digest(root: str) -> str | None:
     from ckptverify.fingerprint import digest_bytes
-    from ckptverify.ownfiles.manifest import MANIFEST_FILE, file_manifest_name
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE
 
-    if paths.isdir(root) and not paths.islink(root):
-        where = os.path.join(root, MANIFEST_FILE)
-    else:  # a single file's manifest is beside it
-        head, base = os.path.split(root if paths.is_url(root) else os.path.abspath(root))
-        where = os.path.join(head, file_manifest_name(base))
-    raw = _read(where, 256 << 20)
+    raw = _read(stamp_path(root, MANIFEST_FILE), 256 << 20)
     return None if raw is None else digest_bytes(raw)
 
 
@@ -187,12 +185,8 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
         "step": step,
         "checked_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
-    if throttled_s is not None:
-        data["throttled_s"] = throttled_s
-    if parts is not None:
-        data["parts"] = parts
-    if suspect is not None:
-        data["suspect"] = suspect
+    data.update((k, v) for k, v in (("throttled_s", throttled_s), ("parts", parts), ("suspect", suspect))
+                if v is not None)
     text = json.dumps(data, indent=1, default=str)
     if paths.is_url(folder):  # one PUT: an object appears whole or not at all, as the rename makes a file
         from ckptverify.safeparse import remote
@@ -205,14 +199,9 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
 
 def _stamp_data(folder: str) -> dict[str, Any] | None:
     """The stamp file of ``folder`` parsed, when it is a JSON object; else ``None``."""
-    raw = _read(stamp_path(folder), MAX_STAMP_BYTES)
-    if raw is None:
-        return None
-    try:
-        data = safejson.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
+    from ckptverify.ownfiles.partsplan import read_json
+
+    return read_json(stamp_path(folder), MAX_STAMP_BYTES)
 
 
 def read_stamp(root: str | os.PathLike[str]) -> Stamp | None:

@@ -30,15 +30,17 @@ from typing import Any
 
 from ckptverify.errors import CkptVerifyWarning, UsageError, VerifyFailedWarning
 from ckptverify.options import VerifyOptions
+from ckptverify.runs.stamp import SETTLE_SECONDS
 from ckptverify.state.distributed import Group
-from ckptverify.verifier.stamper import SETTLE_SECONDS, VerifyingLock, verify_and_stamp
-from ckptverify.verifier.throttle import IdleProbe, Throttle, throttle_enabled
+from ckptverify.verifier.stamper import VerifyingLock, verify_and_stamp
+from ckptverify.verifier.throttle import IdleProbe, Throttle, env_number, throttle_enabled
 from ckptverify.verifier.verification import Verification, event_of, from_stamp, unverified
 from ckptverify.verifier.worker import PRIORITIES, VerifierProcess, lower_priority, restore_priority
 
 __all__ = [
     "DEFAULT_EXIT_TIMEOUT",
     "EXIT_TIMEOUT_ENV",
+    "REMOVED",
     "AfterSave",
     "BackgroundVerifier",
     "Task",
@@ -55,6 +57,8 @@ __all__ = [
 ISOLATIONS = ("process", "thread")
 EXIT_TIMEOUT_ENV = "CKPTVERIFY_VERIFY_EXIT_TIMEOUT"
 DEFAULT_EXIT_TIMEOUT = 600.0
+#: Why a checkpoint (or a task's) has no verdict when it was gone before its verification began.
+REMOVED = "removed before it was verified"
 #: How often a verification waits for a verifying lock someone else (``ckptverify watch``) holds.
 _LOCK_POLL_SECONDS = 0.2
 
@@ -75,9 +79,7 @@ class AfterSave:
     #: An :class:`~ckptverify.ownfiles.events.EventLog`, or the directory of the ``events.jsonl`` to append to.
     events: Any = None
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.verify, VerifyOptions):
-            raise UsageError(f"verify must be a VerifyOptions, got {type(self.verify).__name__}")
+    def __post_init__(self) -> None:  # ``verify`` comes through verify_options, checked there
         if self.on_verified is not None and not callable(self.on_verified):
             raise UsageError(f"on_verified must be callable, got {type(self.on_verified).__name__}")
 
@@ -168,8 +170,7 @@ class BackgroundVerifier:
 
     def submit(self, path: str | os.PathLike[str], *, step: int | None = None,
                options: AfterSave | None = None, task: Task | None = None, parts: bool = False) -> None:
-        """Queue the committed checkpoint ``path`` (or ``task``) and return at once. Its verifying lock is taken now
-        when
+        """Queue the committed checkpoint ``path`` (or ``task``) and return at once; its verifying lock is taken now if
         free (not for a ``locked=False`` task). ``parts``: verification shared among the writing nodes; this verifier
         checks the whole and its node's files, gathers the others and stamps (:mod:`~ckptverify.verifier.parts`)."""
         options = options or AfterSave(verify=VerifyOptions(when="background"))
@@ -266,7 +267,7 @@ class BackgroundVerifier:
             self._closed = True
         self._queue.put(None)
         if not done:
-            self._child.kill()  # no verifier process outlives the job
+            self._child.close(now=True)  # no verifier process outlives the job
         return done
 
     # ------------------------------------------------------------------ internals
@@ -322,7 +323,7 @@ class BackgroundVerifier:
         why: str | None = None
         try:
             if task.locked and not self._take_lock(job):
-                why = "removed before it was verified"
+                why = REMOVED
             else:
                 if self.before_verify is not None:
                     self.before_verify(job.path)
@@ -359,7 +360,7 @@ class BackgroundVerifier:
         if not job.lock.held:
             # Someone else (``ckptverify watch``) is verifying it: wait for them, then take their current stamp.
             if not self._take_lock(job):
-                return _unverified(job, "deleted", "removed before it was verified")
+                return _unverified(job, "deleted", REMOVED)
             stamp = read_stamp(job.path)
             if stamp is not None and stamp.current and (bool(stamp.data.get("deep")) or not job.options.verify.deep):
                 job.lock.release()
@@ -535,18 +536,7 @@ def wait_for_verifications(timeout: float | None = None) -> bool:
 
 def exit_timeout() -> float:
     """Seconds a job waits at exit for its pending verifications (``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``)."""
-    raw = os.environ.get(EXIT_TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_EXIT_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:  # also NaN
-        warnings.warn(f"{EXIT_TIMEOUT_ENV}={raw!r} is not a number of seconds; using {DEFAULT_EXIT_TIMEOUT}",
-                      CkptVerifyWarning, stacklevel=2)
-        return DEFAULT_EXIT_TIMEOUT
-    return value
+    return env_number(EXIT_TIMEOUT_ENV, DEFAULT_EXIT_TIMEOUT, warn=True)
 
 
 def _at_exit() -> None:

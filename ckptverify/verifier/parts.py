@@ -26,8 +26,9 @@ from typing import Any
 
 from ckptverify.ownfiles.names import PARTS_PLAN, STAMP_TEMP_PREFIX, write_atomic
 from ckptverify.ownfiles.partsplan import dcp_folders, part_verdict_path, read_json, read_plan
+from ckptverify.runs.stamp import SETTLE_SECONDS
 
-__all__ = ["NODE_ENV", "PART_SCHEMA", "PART_TIMEOUT_ENV", "node_name", "part_job", "part_timeout",
+__all__ = ["NODE_ENV", "PART_SCHEMA", "PART_TIMEOUT_ENV", "adoption_note", "node_name", "part_job", "part_timeout",
            "stamp_parts_locked"]
 
 PART_SCHEMA = "ckptverify/part"
@@ -55,11 +56,9 @@ def node_name() -> str:
 def part_timeout() -> float:
     """Seconds the coordinator waits for other parts (``CKPTVERIFY_PART_TIMEOUT``, default 1800; unreadable: default).
     """
-    try:
-        value = float(os.environ.get(PART_TIMEOUT_ENV, DEFAULT_PART_TIMEOUT))
-    except ValueError:
-        return DEFAULT_PART_TIMEOUT
-    return value if value >= 0 else DEFAULT_PART_TIMEOUT
+    from ckptverify.verifier.throttle import env_number
+
+    return env_number(PART_TIMEOUT_ENV, DEFAULT_PART_TIMEOUT)
 
 
 def _signatures(root: str, files: list[str]) -> dict[str, list[int] | None]:
@@ -107,10 +106,7 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
             "ranks": mine.get("ranks"), "files": files, "passed": report.passed, "changed": changed,
             "signatures": before, "bytes": int(report.stats.get("bytes") or 0),
             "seconds": round(time.perf_counter() - started, 6), "report": report.to_dict()}
-    if adoption is not None:
-        data["adoption"] = adoption
-    if deep is not None:
-        data["deep"] = deep
+    data.update((k, v) for k, v in (("adoption", adoption), ("deep", deep)) if v is not None)
     try:
         write_atomic(part_verdict_path(root, node), json.dumps(data, default=str), prefix=STAMP_TEMP_PREFIX)
     except OSError as exc:
@@ -183,7 +179,7 @@ def _describe_node(node: dict[str, Any]) -> str:
     return f"node {node.get('node')} (host {node.get('host')}, ranks {node.get('ranks')})"
 
 
-def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, settle: float = 1.0,
+def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, settle: float = SETTLE_SECONDS,
                        throttle: Any = None, wait_s: float | None = None, deep: bool = False,
                        adopt: bool | Callable[[Any], bool] = False, notes: list[str] | None = None) -> Any:
     """The coordinator's side (caller holds the verifying lock): verify the whole checkpoint and this node's files,
@@ -200,7 +196,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     from ckptverify.findings import Report
     from ckptverify.runs.stamp import files_fingerprint, removed
     from ckptverify.safeparse.readers import pacing
-    from ckptverify.verifier.stamper import GONE, stamp, stamp_locked, unmoved
+    from ckptverify.verifier.stamper import GONE, stamp, stamp_locked, unmoved, unreadable
     from ckptverify.verifier.verification import unverified
 
     plan = read_plan(path)
@@ -260,27 +256,22 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
         if deep and adopt is not True:
             with pacing(throttle):
                 mine = _deep(path, jobs, other_files, records, True, scanned)
-    except FileNotFoundError:  # CheckpointNotFoundError included
-        return unverified(path, step, "deleted", GONE)
     except OSError as exc:
-        return unverified(path, step, "error", f"{type(exc).__name__}: {exc}")
+        return unreadable(path, step, exc)
     merged = parts = None
     if mine is not None:
         parts, merged = _summarize(path, nodes, mine, reports, mine.stats.get("bytes"))
     if adopt is True or (adopt and merged is not None and adopt(merged)):
         if missing:  # their files cannot go into a manifest unread
-            _tidy_parts(path, [n["node"] for n in nodes])
-            return unverified(path, step, "error", _silent(missing, wait_s))
+            return _silent(path, step, nodes, missing, wait_s)
         try:
             with pacing(throttle):
                 adopted, note, written = _adopt(path, jobs, reports, scanned, read_all=adopt is True)
                 if deep:  # judged against the manifest just written from the parts, or none: an older one left
                     # in the folder no longer describes it
                     adopted = _judged(adopted, _deep(path, jobs, other_files, records, written, scanned))
-        except FileNotFoundError:
-            return unverified(path, step, "deleted", GONE)
         except OSError as exc:
-            return unverified(path, step, "error", f"{type(exc).__name__}: {exc}")
+            return unreadable(path, step, exc)
         if notes is not None:
             notes.append(note)
         # The fingerprint covers the new manifest; its files were change-checked by the adoption and signatures.
@@ -289,8 +280,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     assert parts is not None and merged is not None
     if missing and merged.passed:
         # Not a pass: what those nodes wrote was not checked.
-        _tidy_parts(path, [n["node"] for n in nodes])
-        return unverified(path, step, "error", _silent(missing, wait_s))
+        return _silent(path, step, nodes, missing, wait_s)
     moved = unmoved(path, step, merged.passed, before, settle, changed=changed)
     if moved is not None:
         return moved
@@ -299,7 +289,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
                       "verdict": "unreported"})
     verdict = stamp(path, step, merged, before, started, throttle, parts=parts)
     if verdict.stamped:
-        _tidy_parts(path, [n["node"] for n in nodes])
+        _tidy_parts(path, nodes)
     return verdict
 
 
@@ -368,10 +358,15 @@ def _judged(adopted: Any, deep: Any) -> Any:
                   stats={**adopted.stats, "deep": True})
 
 
-def _silent(missing: list[dict[str, Any]], wait_s: float | None) -> str:
+def _silent(path: str, step: int | None, nodes: list[dict[str, Any]], missing: list[dict[str, Any]],
+            wait_s: float | None) -> Any:
+    """No verdict: the ``missing`` parts did not report, so their files are unchecked (the parts' files removed)."""
+    from ckptverify.verifier.verification import unverified
+
+    _tidy_parts(path, nodes)
     names = "; ".join(f"{_describe_node(n)}: {', '.join(n['files'])}" for n in missing)
-    return (f"the part of {len(missing)} node(s) did not report within "
-            f"{part_timeout() if wait_s is None else wait_s} s, so their files are unchecked: {names}")
+    return unverified(path, step, "error", f"the part of {len(missing)} node(s) did not report within "
+                      f"{part_timeout() if wait_s is None else wait_s} s, so their files are unchecked: {names}")
 
 
 def _summarize(path: str, nodes: list[dict[str, Any]], mine: Any, reports: list[tuple[dict[str, Any], Any]],
@@ -430,18 +425,27 @@ def _adopt(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]
         how = f"read whole here: {exc}"
     if manifest is None:
         return (*_refusal(report), False)
-    return report, (f"manifest written: {len(manifest.files)} files, {len(manifest.items)} items, "
-                    f"{len(manifest.tensors)} tensors; {how}"), True
+    return report, f"{adoption_note(report, manifest)}; {how}", True
+
+
+def adoption_note(report: Any, manifest: Any) -> str:
+    """What an adoption (:func:`~ckptverify.audit.adopt.fingerprint_checkpoint`) did, as an event's ``fingerprint``
+    note: the manifest written, or why none."""
+    if manifest is None:
+        return "no manifest: " + next((f.message for f in report.findings if f.check == "fingerprint-refused"),
+                                      "refused")
+    return (f"manifest written: {len(manifest.files)} files, {len(manifest.items)} items, "
+            f"{len(manifest.tensors)} tensors")
 
 
 def _refusal(report: Any) -> tuple[Any, str]:
-    """An adoption that wrote no manifest: its report and the note."""
+    """An adoption that wrote no manifest: its report (without the refusal when another error says why) and the note."""
     causes = [f for f in report.findings if f.check != "fingerprint-refused"]
-    refusal = next((f.message for f in report.findings if f.check == "fingerprint-refused"), "refused")
+    note = adoption_note(report, None)
     if any(f.severity.value == "error" for f in causes):
         report = type(report)(command=report.command, target=report.target, findings=tuple(causes),
                               coverage=report.coverage, stats=report.stats)
-    return report, f"no manifest: {refusal}"
+    return report, note
 
 
 def _adopt_folder(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]],
@@ -498,8 +502,8 @@ def _adopt_folder(path: str, jobs: int | None, reports: list[tuple[dict[str, Any
     return report, "; ".join(said), True
 
 
-def _tidy_parts(root: str, nodes: list[int]) -> None:
-    """The plan and the part verdicts are done with once the stamp records them."""
-    for name in [PARTS_PLAN, *(os.path.basename(part_verdict_path(root, k)) for k in nodes)]:
+def _tidy_parts(root: str, nodes: list[dict[str, Any]]) -> None:
+    """The plan and the part verdicts (of the plan's ``nodes``) are done with once the stamp records them."""
+    for name in [PARTS_PLAN, *(os.path.basename(part_verdict_path(root, n["node"])) for n in nodes)]:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(root, name))

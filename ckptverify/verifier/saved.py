@@ -8,14 +8,15 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal
 
 from ckptverify.errors import reported_as_itself
 from ckptverify.findings import Report
 from ckptverify.verifier.verification import Verification, event_of, from_report, unverified
 
-__all__ = ["Fingerprint", "cannot_verify", "check_saved", "saved_job", "stopped_by", "verification_of", "was_deleted"]
+__all__ = ["Fingerprint", "cannot_verify", "check_saved", "remove_beside", "saved_job", "stopped_by", "verification_of",
+           "was_deleted"]
 
 Fingerprint = bool | Literal["auto"]
 
@@ -24,21 +25,17 @@ def verification_of(path: str, report: Report, step: int | None, seconds: float,
                     reason: str | None = None) -> Verification:
     """The :class:`~ckptverify.verifier.verification.Verification` of ``report``, with the integrations' message
     (``PATH fails verification with N error(s); first: CHECK (WHERE): MESSAGE``, or what passed)."""
-    from ckptverify.checks.dcp_pipeline import UNCHECKABLE
-
-    errors = report.errors
-    unchecked = sorted({f.location.file or "?" for f in report.findings if f.check == UNCHECKABLE})
-    if errors:
-        first = errors[0]
-        message = (f"{path} fails verification with {report.summary().get('error', 0)} error(s); first: {first.check} "
+    result = from_report(path, step, report, seconds=seconds, stamped=stamp is not None, stamp=stamp, reason=reason)
+    if report.errors:
+        first = report.errors[0]
+        message = (f"{path} fails verification with {result.summary.get('error', 0)} error(s); first: {first.check} "
                    f"({first.location.describe() or '?'}): {first.message}")
     else:
-        against = " against its manifest" if report.stats.get("manifest") else ""
+        against = " against its manifest" if result.manifest else ""
         message = f"{path} passed verification{against}: {_checked_text(report)}"
-        if unchecked:
-            message += f"; no checksum covers {', '.join(unchecked[:4])}"
-    return from_report(path, step, report, seconds=seconds, stamped=stamp is not None, stamp=stamp, reason=reason,
-                       message=message)
+        if result.unchecked:
+            message += f"; no checksum covers {', '.join(result.unchecked[:4])}"
+    return replace(result, message=message)
 
 
 def _checked_text(report: Report) -> str:
@@ -87,13 +84,9 @@ def _fingerprint(root: str, jobs: int | None) -> str:
     """Write the manifest of the checkpoint just saved (replacing a former save's, which describes gone bytes);
     unprotected content is adopted as written. Returns what happened; a refusal is no failure by itself."""
     from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.verifier.parts import adoption_note
 
-    report, manifest = fingerprint_checkpoint(root, force=True, jobs=jobs, trust_uncheckable=True)
-    if manifest is not None:
-        return (f"manifest written: {len(manifest.files)} files, {len(manifest.items)} items, "
-                f"{len(manifest.tensors)} tensors")
-    refusal = next((f for f in report.findings if f.check == "fingerprint-refused"), None)
-    return f"no manifest: {refusal.message if refusal else 'refused'}"
+    return adoption_note(*fingerprint_checkpoint(root, force=True, jobs=jobs, trust_uncheckable=True))
 
 
 def _vanished(root: str) -> bool:
@@ -115,9 +108,7 @@ def _vanished(root: str) -> bool:
 
 def _tidy(root: str) -> None:
     """Remove ckptverify's own files from a checkpoint deleted while verified (and the folder, if left empty)."""
-    from ckptverify.audit.adopt import file_manifest_path
     from ckptverify.formats.describe import is_own_file
-    from ckptverify.runs.stamp import stamp_path
 
     if os.path.isdir(root) and not os.path.islink(root):
         with contextlib.suppress(OSError):
@@ -128,8 +119,16 @@ def _tidy(root: str) -> None:
                         os.unlink(os.path.join(root, name))
                 os.rmdir(root)
         return
-    if not os.path.lexists(root):
-        for beside in (stamp_path(root), file_manifest_path(root)):
+    remove_beside(root)
+
+
+def remove_beside(path: str) -> None:
+    """Once the single-file checkpoint ``path`` is gone, remove ckptverify's files kept beside it (stamp, manifest)."""
+    from ckptverify.audit.adopt import file_manifest_path
+    from ckptverify.runs.stamp import stamp_path
+
+    if not os.path.lexists(path):
+        for beside in (stamp_path(path), file_manifest_path(path)):
             with contextlib.suppress(OSError):
                 os.unlink(beside)
 
@@ -193,23 +192,7 @@ def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: 
         # Deleted as the stamp was written (an rmtree listing it before the stamp fails on it): tidy ours too.
         return was_deleted(root, step, time.perf_counter() - started), {}
     verdict = verification_of(root, report, step, time.perf_counter() - started, stamp, stamp_error)
-    extra: dict[str, Any] = {}
-    if fp_note is not None:
-        extra["fingerprint"] = fp_note
-    if stamp_error is not None:
-        extra["stamp_error"] = stamp_error
-    return verdict, extra
-
-
-def _adopt_when(root: str) -> Callable[[Report], bool]:
-    """When a parts-verified save under ``fingerprint="auto"`` is fingerprinted: a former manifest is present, or the
-    parts found unprotected content."""
-    from ckptverify.audit.verify import needs_manifest
-
-    def adopt(merged: Report) -> bool:
-        return _has_manifest(root) or needs_manifest(merged)
-
-    return adopt
+    return verdict, {k: v for k, v in (("fingerprint", fp_note), ("stamp_error", stamp_error)) if v is not None}
 
 
 def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int | None, deep: bool,
@@ -219,11 +202,14 @@ def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int |
     fingerprinting; ``deep``: parts' tensor pieces judged together here."""
     result = None
     if parts:
+        from ckptverify.audit.verify import needs_manifest
         from ckptverify.verifier.parts import stamp_parts_locked
 
         started = time.perf_counter()
         notes: list[str] = []
-        adopt = True if fingerprint is True else _adopt_when(root) if fingerprint == "auto" else False
+        # "auto": fingerprinted when a former manifest is present, or the parts found unprotected content.
+        adopt: Any = fingerprint is True or (fingerprint == "auto" and (
+            lambda merged: _has_manifest(root) or needs_manifest(merged)))
         result = stamp_parts_locked(root, step=step, jobs=jobs, settle=settle, adopt=adopt, notes=notes, deep=deep)
         if result is not None:
             if result.report is not None:

@@ -14,17 +14,15 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.ownfiles.names import VERIFYING_LOCK
-from ckptverify.runs.stamp import files_fingerprint, removed, stamp_path, write_stamp
+from ckptverify.runs.stamp import SETTLE_SECONDS, files_fingerprint, removed, stamp_path, write_stamp
 from ckptverify.verifier.throttle import Throttle
 from ckptverify.verifier.verification import Verification, from_report, unverified
 
 if TYPE_CHECKING:
     from ckptverify.findings import Report
 
-__all__ = ["GONE", "SETTLE_SECONDS", "VerifyingLock", "stamp", "stamp_locked", "unmoved", "verify_and_stamp"]
+__all__ = ["GONE", "VerifyingLock", "stamp", "stamp_locked", "unmoved", "unreadable", "verify_and_stamp"]
 
-#: Wait after a failure before judging: a checkpoint being deleted file by file is not corrupt.
-SETTLE_SECONDS = 1.0
 GONE = "removed while it was being verified"
 
 
@@ -103,12 +101,10 @@ def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, de
         if not own.held and not own.acquire():
             return unverified(path, step, "busy", "another process is verifying it", deep=deep)
         return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle, throttle=throttle)
-    except FileNotFoundError:  # CheckpointNotFoundError included
-        return unverified(path, step, "deleted", GONE, deep=deep)
     except OSError as exc:
-        # No lock possible (read-only, foreign file): verify anyway; the verdict stands unstamped.
-        if own.held:
-            return unverified(path, step, "error", f"{type(exc).__name__}: {exc}", deep=deep)
+        # Gone: no verdict. No lock possible (read-only, foreign file): verify anyway; the verdict stands unstamped.
+        if own.held or isinstance(exc, FileNotFoundError):
+            return unreadable(path, step, exc, deep=deep)
         return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle, throttle=throttle)
     finally:
         own.release()
@@ -129,13 +125,18 @@ def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: 
         with pacing(throttle):
             report = verify_checkpoint(path, jobs=jobs, deep=deep)
         moved = unmoved(path, step, report.passed, before, settle, deep=deep)
-    except FileNotFoundError:
-        return unverified(path, step, "deleted", GONE, deep=deep)
     except OSError as exc:  # it could not be read
-        return unverified(path, step, "error", f"{type(exc).__name__}: {exc}", deep=deep)
+        return unreadable(path, step, exc, deep=deep)
     if moved is None and unstamped is not None:
         return from_report(path, step, report, seconds=time.perf_counter() - started, stamped=False, reason=unstamped)
     return moved or stamp(path, step, report, before, started, throttle, deep=deep)
+
+
+def unreadable(path: str, step: int | None, exc: OSError, *, deep: bool = False) -> Verification:
+    """No verdict on ``path``, which ``exc`` stopped reading: ``deleted`` when gone, else ``error``."""
+    if isinstance(exc, FileNotFoundError):  # CheckpointNotFoundError included
+        return unverified(path, step, "deleted", GONE, deep=deep)
+    return unverified(path, step, "error", f"{type(exc).__name__}: {exc}", deep=deep)
 
 
 def unmoved(path: str, step: int | None, passed: bool, before: str, settle: float, *, changed: bool = False,

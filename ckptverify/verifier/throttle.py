@@ -27,6 +27,7 @@ __all__ = [
     "CpuTimes",
     "IdleProbe",
     "Throttle",
+    "env_number",
     "min_free_cores",
     "next_pause",
     "parse_proc_stat",
@@ -56,14 +57,31 @@ def throttle_enabled(environ: dict[str, str] | None = None) -> bool:
     return raw.strip().lower() not in _OFF
 
 
+def env_number(name: str, default: float, environ: dict[str, str] | None = None, *, warn: bool = False) -> float:
+    """The non-negative number in environment variable ``name``; ``default`` when unset, unreadable, negative or NaN
+    (``warn``: a :class:`~ckptverify.errors.CkptVerifyWarning` says so)."""
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value >= 0:  # not NaN
+        return value
+    if warn:
+        import warnings
+
+        from ckptverify.errors import CkptVerifyWarning
+
+        warnings.warn(f"{name}={raw!r} is not a non-negative number; using {default}", CkptVerifyWarning,
+                      stacklevel=3)
+    return default
+
+
 def min_free_cores(environ: dict[str, str] | None = None) -> float:
     """Idle cores a verification needs to read on (:data:`MIN_FREE_ENV`, else :data:`MIN_FREE_CORES`)."""
-    raw = (os.environ if environ is None else environ).get(MIN_FREE_ENV)
-    try:
-        value = float(raw) if raw is not None else MIN_FREE_CORES
-    except ValueError:
-        return MIN_FREE_CORES
-    return value if value >= 0 else MIN_FREE_CORES  # also NaN
+    return env_number(MIN_FREE_ENV, MIN_FREE_CORES, environ)
 
 
 @dataclass(frozen=True, slots=True)

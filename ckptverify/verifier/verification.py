@@ -80,17 +80,9 @@ class Verification:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field but ``report`` as JSON values, plus ``passed``, ``pending`` and ``deleted``."""
-        data: dict[str, Any] = {}
-        for f in fields(self):
-            if f.name == "report":
-                continue
-            value = getattr(self, f.name)
-            data[f.name] = list(value) if isinstance(value, tuple) else (dict(value) if isinstance(value, dict)
-                                                                        else value)
-        data["passed"] = self.passed
-        data["pending"] = self.pending
-        data["deleted"] = self.deleted
-        return data
+        data = {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else dict(v) if isinstance(v, dict)
+                else v for f in fields(self) if f.name != "report"}
+        return {**data, "passed": self.passed, "pending": self.pending, "deleted": self.deleted}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], report: Report | None = None) -> Verification:

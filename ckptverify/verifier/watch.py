@@ -21,10 +21,11 @@ from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
 from ckptverify.formats.rundir import Candidate, find_checkpoints
-from ckptverify.runs.stamp import committed, files_fingerprint, read_stamp
+from ckptverify.ownfiles.names import append_line
+from ckptverify.runs.stamp import SETTLE_SECONDS, committed, files_fingerprint, read_stamp
 from ckptverify.runs.states import judge_report
 from ckptverify.safeparse.paths import WalkNote
-from ckptverify.verifier.stamper import SETTLE_SECONDS, stamp_locked, verify_and_stamp
+from ckptverify.verifier.stamper import stamp_locked, verify_and_stamp
 from ckptverify.verifier.verification import Verification, unverified
 
 __all__ = ["WATCH_HELP", "WATCH_LOG", "RunState", "WatchResult", "watch"]
@@ -127,8 +128,7 @@ class WatchResult:
     @property
     def exit_code(self) -> int:
         """1 if a checkpoint failed; else 2 if one could not be verified, a result or metrics could not be recorded, or
-        no
-        checkpoint was found (a usage error); else 1 if none found was finished; else 0."""
+        no checkpoint was found (a usage error); else 1 if none found was finished; else 0."""
         if self.failed:
             return 1
         if self.state.unverifiable or self.problems or self.state.checkpoints == self.state.deleted:
@@ -209,20 +209,15 @@ def _ready(path: str, cand: Candidate, quiet: float) -> bool:
     return time.time_ns() - cand.mtime_ns >= quiet * 1e9
 
 
+#: The :class:`RunState` count of each result event (any other: ``pending``).
+_COUNTS = {"verified": "verified", "failed": "corrupt", "error": "unverifiable", "deleted": "deleted"}
+
+
 def _count(state: RunState, event: str, step: int | None, stamped: bool = True) -> None:
-    if event == "verified":
-        state.verified += 1
-        if step is not None and (state.last_good_step is None or step > state.last_good_step):
-            state.last_good_step = step
-    elif event == "failed":
-        state.corrupt += 1
-    elif event == "error":
-        state.unverifiable += 1
-    elif event == "deleted":
-        state.deleted += 1
-    else:
-        state.pending += 1
-        return
+    name = _COUNTS.get(event, "pending")
+    setattr(state, name, getattr(state, name) + 1)
+    if event == "verified" and step is not None and (state.last_good_step is None or step > state.last_good_step):
+        state.last_good_step = step
     if event in ("verified", "failed") and not stamped:
         state.unstamped += 1
 
@@ -340,8 +335,8 @@ def watch(run_dir: str | os.PathLike[str], *, once: bool = False, interval: floa
                 item = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **item}
                 result.results.append(item)
                 result.bytes_checked += int(item.get("bytes") or 0)
-                try:
-                    _append(log_path, item)
+                try:  # a regular file only, never through a link, FIFO or device
+                    append_line(log_path, (json.dumps(item, default=str) + "\n").encode("utf-8", "surrogateescape"))
                 except OSError as exc:
                     problem(f"cannot append to the watch log {log_path}: {exc}")
                 if on_result is not None:
@@ -374,9 +369,3 @@ def _write_gauges(path: str, root: str, result: WatchResult, problem: Callable[[
     except OSError as exc:
         problem(f"cannot write the metrics file {path}: {exc}")
 
-
-def _append(path: str, item: dict[str, Any]) -> None:
-    """Append ``item`` as one JSON line to the regular file ``path`` (never through a link, FIFO or device)."""
-    from ckptverify.ownfiles.names import append_line
-
-    append_line(path, (json.dumps(item, default=str) + "\n").encode("utf-8", "surrogateescape"))

@@ -34,6 +34,7 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
           priority: _Priority | None = None) -> None:
     """Answer each request line of ``requests`` with one line on ``replies``. ``hurried(seq)``: whether the parent asked
     for full speed; ``priority``: set per request."""
+    from ckptverify.runs.stamp import SETTLE_SECONDS
     from ckptverify.verifier.parts import stamp_parts_locked
     from ckptverify.verifier.stamper import stamp_locked
 
@@ -57,8 +58,8 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
         # ``parts``: the coordinator's side of a verification shared out among nodes.
         stamp = stamp_parts_locked if req.get("parts") else stamp_locked
         try:
-            result = stamp(path, step=step, jobs=req.get("jobs") or 1, deep=deep, settle=float(req.get("settle", 1.0)),
-                           throttle=_throttle(req, hurried, priority))
+            result = stamp(path, step=step, jobs=req.get("jobs") or 1, deep=deep,
+                           settle=float(req.get("settle", SETTLE_SECONDS)), throttle=_throttle(req, hurried, priority))
         except Exception as exc:  # one request's failure is its result; the process serves the next one
             result = unverified(path, step, "error", f"the verification itself failed: {type(exc).__name__}: {exc}",
                                 deep=deep)
@@ -272,54 +273,41 @@ class VerifierProcess:
             proc.stdin.flush()
             line = proc.stdout.readline()
         except OSError as exc:  # could not start it, or it died as the request went out
-            self.kill()
+            self.close(now=True)
             return None, f"the verifier process failed: {type(exc).__name__}: {exc}"
         try:
             data = json.loads(line) if line else None
         except ValueError:
             data = None
         if not isinstance(data, dict):
-            self.kill()
+            self.close(now=True)
             code = proc.poll()
             return None, f"the verifier process ended without an answer (exit code {code})"
         if "protocol_error" not in data and data.pop("seq", None) != sent["seq"]:
             # an answer to another request: out of step, so no later answer can be trusted either
-            self.kill()
+            self.close(now=True)
             return None, "the verifier process answered another request"
         return data, ""
 
-    def close(self) -> None:
-        """Let the process end (end of its input), or end it."""
+    def close(self, *, now: bool = False) -> None:
+        """Let the process end (end of its input; killed after 10 s), or with ``now`` end it at once."""
         proc, self._proc = self._proc, None
         self._close_hurry()
         if proc is None:
             return
+        if now and proc.poll() is None:
+            proc.kill()
         with contextlib.suppress(OSError):
             assert proc.stdin is not None
             proc.stdin.close()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=None if now else 10)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
         with contextlib.suppress(OSError):
             if proc.stdout is not None:
                 proc.stdout.close()
-
-    def kill(self) -> int | None:
-        """End the process now; its exit code."""
-        proc, self._proc = self._proc, None
-        self._close_hurry()
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.kill()
-        code = proc.wait()
-        for stream in (proc.stdin, proc.stdout):
-            with contextlib.suppress(OSError):
-                if stream is not None:
-                    stream.close()
-        return code
 
 
 def restore_priority(nice: int, thread: int | None = None) -> bool:
