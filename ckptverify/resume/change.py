@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,15 +147,13 @@ def compare_change(plan: ChangePlan, *, keep: str | None = None, progress: Calla
                    ) -> Report:
     """Run ``plan`` and return its report; ``keep``: keep the runs' traces there. :class:`UsageError` for a target
     that cannot run, :class:`~ckptverify.errors.CkptVerifyError` when a workload raises."""
-    from ckptverify.resume.launch import launch_each
+    from ckptverify.resume.launch import launch_each, scratch
 
     for target in dict.fromkeys((plan.base, plan.changed)):
         check_target(target)
     say = progress or (lambda _msg: None)
     began = time.perf_counter()
-    work = os.path.abspath(keep) if keep else tempfile.mkdtemp(prefix="ckptverify-compare-")
-    os.makedirs(work, exist_ok=True)
-    try:
+    with scratch(keep, "ckptverify-compare-") as work:
         names = ["base", *(f"control-{i + 1}" for i in range(plan.repeats)), "changed"]
         configs: dict[str, RunConfig] = {}
         for name in names:
@@ -176,9 +173,6 @@ def compare_change(plan: ChangePlan, *, keep: str | None = None, progress: Calla
         report = _judge(plan, cells, work, say, timeout_s=10 * longest + 60)
         report.stats.update(seconds=round(time.perf_counter() - began, 3), workdir=work if keep else None)
         return report
-    finally:
-        if not keep:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 def _judge(plan: ChangePlan, cells: list[_Cell], work: str, say: Callable[[str], None], *,

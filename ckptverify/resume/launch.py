@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -30,7 +31,7 @@ from ckptverify.resume.harness_target import (
 )
 from ckptverify.resume.run import Run, RunConfig, _group_backend, harness_job
 
-__all__ = ["launch_each", "launch_jobs", "launches_at_once", "log_files", "start_method", "workload_logs"]
+__all__ = ["launch_each", "launch_jobs", "launches_at_once", "log_files", "scratch", "start_method", "workload_logs"]
 
 
 def _unused_port() -> int:
@@ -240,6 +241,19 @@ def workload_logs(log_dir: str) -> Iterator[str]:
         yield _log_dir
     finally:
         _log_dir = previous
+
+
+@contextlib.contextmanager
+def scratch(keep: str | None, prefix: str) -> Iterator[str]:
+    """The absolute folder a command's runs write in: ``keep`` (made if missing, left afterwards), else a fresh
+    temporary folder named ``prefix...`` removed when the block ends."""
+    work = os.path.abspath(keep) if keep else tempfile.mkdtemp(prefix=prefix)
+    os.makedirs(work, exist_ok=True)
+    try:
+        yield work
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def log_files() -> list[str] | None:
