@@ -28,10 +28,9 @@ Run one: ``ckptverify resume-check ckptverify.examples.planted:eval_after_save -
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ckptverify.examples.tinygpt import Block, TinyGPTConfig, Training, train_step
+from ckptverify.examples.tinygpt import Block, TinyGPTConfig, Training, lm_loss, train_step
 from ckptverify.examples.workloads import BATCH, _loop, _manual_lr, _setup, _state
 from ckptverify.resume.run import Run
 from ckptverify.state.train_state import TrainState
@@ -71,8 +70,7 @@ def evaluate(training: Training, batches: int = 2) -> float:
     total = 0.0
     for _ in range(batches):
         x, y = get_batch(training)
-        logits = model(x.to(training.device))
-        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(training.device).reshape(-1)))
+        total += float(lm_loss(model, x.to(training.device), y.to(training.device)))
     model.train()
     return total / batches
 
@@ -171,9 +169,7 @@ def scaler_unregistered(run: Run) -> None:
     run.restore(state)
     model, optimizer = training.model, training.optimizer
     for batch in run.steps(loader):
-        x, y = batch
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss = lm_loss(model, *batch)
         scaler.scale(loss).backward()  # a power-of-two scale: every value stays bitwise equal
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)

@@ -24,13 +24,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ckptverify.examples.tinygpt import (
     Block,
     TinyGPTConfig,
     Training,
     build_training,
+    lm_loss,
     make_loader,
     optimizer_step,
     train_step,
@@ -149,9 +149,7 @@ def nondeterministic(run: Run) -> None:
         parts = list(zip(input_ids.chunk(input_ids.shape[0]), targets.chunk(targets.shape[0]), strict=True))
         total = torch.zeros((), device=training.device)
         for i in torch.randperm(len(parts), generator=order).tolist():
-            x, y = parts[i]
-            logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / len(parts)
+            loss = lm_loss(model, *parts[i]) / len(parts)
             loss.backward()
             total += loss.detach()
         return optimizer_step(training, total)
