@@ -15,7 +15,7 @@ import click
 
 from ckptverify._version import __version__
 from ckptverify.errors import CkptVerifyError, UsageError
-from ckptverify.render.report import fail, printable
+from ckptverify.render.report import fail, printable, safe_text
 
 if TYPE_CHECKING:
     from ckptverify.checks.dcp_pipeline import Executor
@@ -59,7 +59,7 @@ def _say(progress: _Progress, quiet: bool, *, emoji: bool = True) -> Any:
     from rich.console import Console
 
     err = Console(stderr=True, emoji=emoji)
-    return lambda msg: err.print(_text(f"· {msg}", "dim"))
+    return lambda msg: err.print(safe_text(f"· {msg}", "dim"))
 
 
 def _decorators(*options: Callable[[F], F]) -> Callable[[F], F]:
@@ -580,8 +580,8 @@ def demo(nproc: int, keep: str | None, json_out: bool, progress: _Progress) -> N
         from rich.console import Console
 
         err = Console(stderr=True)
-        say = lambda msg: err.print(_text(msg, "bold cyan") if msg[:2] in {"1/", "2/", "3/", "4/"}  # noqa: E731
-                                    else _text(f"  · {msg}", "dim"))
+        say = lambda msg: err.print(safe_text(msg, "bold cyan") if msg[:2] in {"1/", "2/", "3/", "4/"}  # noqa: E731
+                                    else safe_text(f"  · {msg}", "dim"))
     try:
         report = run_demo(nproc=nproc, keep=keep, say=say)
     except CkptVerifyError as exc:
@@ -726,7 +726,7 @@ def _render_ranks(report: Any, console: Any) -> None:
     from ckptverify.render.report import human_bytes
 
     def say(text: str) -> None:
-        console.print(_text(text, "dim"))
+        console.print(safe_text(text, "dim"))
 
     stats = report.stats
     ranks = stats.get("ranks") or []
@@ -770,12 +770,6 @@ def _write_metrics(metrics_file: str | None, report: Any, json_out: bool) -> Non
         write_metrics(metrics_file, report)
     except OSError as exc:
         fail(report.command, report.target, UsageError(f"cannot write --metrics-file {metrics_file}: {exc}"), json_out)
-
-
-def _text(value: object, style: str) -> Any:
-    from rich.text import Text
-
-    return Text(printable(value), style=style)
 
 
 if __name__ == "__main__":  # pragma: no cover
