@@ -18,12 +18,13 @@ import contextlib
 import itertools
 import json
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptverify.errors import UsageError
+from ckptverify.errors import ResumeRefusedError, UsageError
 from ckptverify.options import VerifyOptions, verify_options
 from ckptverify.ownfiles.names import own_folder, write_atomic
 from ckptverify.state.distributed import rank_world
@@ -139,7 +140,6 @@ class Run:
         if _harness_config is not None or run_dir is None:
             run = cls.from_env(steps=steps)
         else:
-            from ckptverify.errors import ResumeRefusedError
             from ckptverify.production.mode import ProductionOptions, target_of
 
             if steps is None:
@@ -223,8 +223,6 @@ class Run:
 
             notes["loader"] = {"type": type(state.dataloader).__name__, "iterable": isinstance(
                 getattr(state.dataloader, "dataset", None), IterableDataset)}
-        import sys
-
         from ckptverify.resume.unregistered import registered_bindings
 
         caller = sys._getframe(1)
@@ -247,8 +245,6 @@ class Run:
                     warnings.filterwarnings("ignore", message="the restore check of ", category=UserWarning)
                     report = load(state, self.config.resume_from, on_restore_mismatch="warn")
             else:
-                from ckptverify.errors import ResumeRefusedError
-
                 try:
                     # Never trains on damaged state: a failing pick is moved aside and an older one loaded.
                     report, picked = self._production.restore(state, self._picked)
@@ -262,7 +258,7 @@ class Run:
             notes["restored"] = _start_values(state)
         self._p.step = state.counters.step
         self._notes = notes
-        self._write_json(f"notes-rank{self._rank}.json", notes)
+        self._write_json(f"notes-rank{self._rank}.json", self._notes)
         if self._production is not None:
             # Before the trace hooks: a planted fault must precede the trace's view, as a real one would.
             self._production.began(state, self._p.restored_from)
@@ -382,8 +378,6 @@ class Run:
     def _check_replaced(self) -> None:
         """After the first step: warn about, and note for the harness, registered objects rebuilt after
         ``run.restore`` (the loop steps the new one; checkpoints hold the old one)."""
-        import warnings
-
         from ckptverify.errors import CkptVerifyWarning
         from ckptverify.resume.unregistered import replaced_objects
 
