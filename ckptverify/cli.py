@@ -52,14 +52,16 @@ class _Progress:
         return not quiet and (self.always or sys.stderr.isatty())
 
 
-def _say(progress: _Progress, quiet: bool, *, emoji: bool = True) -> Any:
-    """A ``progress(message)`` callback printing dim ``· message`` lines on stderr, or ``None`` (no progress)."""
+def _say(progress: _Progress, quiet: bool, *, emoji: bool = True, stages: bool = False) -> Any:
+    """A ``progress(message)`` callback printing dim ``· message`` lines on stderr, or ``None`` (no progress);
+    ``stages``: a numbered stage (``1/4 ...``) stands out and other lines are indented under it."""
     if not progress.wanted(quiet):
         return None
     from rich.console import Console
 
     err = Console(stderr=True, emoji=emoji)
-    return lambda msg: err.print(safe_text(f"· {msg}", "dim"))
+    return lambda msg: err.print(safe_text(msg, "bold cyan") if stages and msg[:2] in {"1/", "2/", "3/", "4/"}
+                                 else safe_text(f"{'  ' if stages else ''}· {msg}", "dim"))
 
 
 def _decorators(*options: Callable[[F], F]) -> Callable[[F], F]:
@@ -575,15 +577,8 @@ def demo(nproc: int, keep: str | None, json_out: bool, progress: _Progress) -> N
     flipped bit, prove a resume bitwise exact, and diagnose a planted bug."""
     from ckptverify.examples.demo import run_demo
 
-    say = None
-    if progress.wanted(json_out):
-        from rich.console import Console
-
-        err = Console(stderr=True)
-        say = lambda msg: err.print(safe_text(msg, "bold cyan") if msg[:2] in {"1/", "2/", "3/", "4/"}  # noqa: E731
-                                    else safe_text(f"  · {msg}", "dim"))
     try:
-        report = run_demo(nproc=nproc, keep=keep, say=say)
+        report = run_demo(nproc=nproc, keep=keep, say=_say(progress, json_out, stages=True))
     except CkptVerifyError as exc:
         fail("demo", "built-in workload", exc, json_out)
     _emit(report, json_out)
