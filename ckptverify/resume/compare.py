@@ -368,8 +368,6 @@ def restore_findings(trace_dir: str | None) -> list[Finding]:
 
 
 def _tag(stage: str, findings: list[Finding]) -> list[Finding]:
-    out = []
-    for f in findings:
-        out.append(error(f.check, f"[{stage}] {f.message}", location=f.location or Location(),
-                         expected=f.expected, actual=f.actual) if f.severity.value == "error" else f)
-    return out
+    """``findings`` with each error's message prefixed ``[stage]``."""
+    return [error(f.check, f"[{stage}] {f.message}", location=f.location or Location(), expected=f.expected,
+                  actual=f.actual) if f.severity.value == "error" else f for f in findings]
