@@ -484,7 +484,7 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
     in fresh processes, then compares restored state, traces and final states, and names the first
     divergence. Exit 0: equivalent; 1: not; 2: could not run (a crashing workload shows its traceback).
     """
-    from ckptverify.render.resume import emit_resume, resume_check
+    from ckptverify.render.resume import render_verdict, resume_check
     from ckptverify.resume.harness import Plan
 
     def run() -> Any:
@@ -496,8 +496,9 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
                             report_dir=report_dir)
 
     outcome = _launch("resume-check", target, keep, json_out, run)
-    _write_metrics(metrics_file, outcome.report, json_out)
-    sys.exit(emit_resume(outcome, json_out))
+    verdict = outcome.verdict
+    _emit(outcome.report, json_out, metrics_file=metrics_file,
+          render=lambda report, console: render_verdict(report, console, verdict.headline(), verdict.passed))
 
 
 @main.command()
