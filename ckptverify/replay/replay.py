@@ -305,15 +305,12 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     total = meta["steps"] if type(meta.get("steps")) is int and meta["steps"] >= ckpts.end else None
     with scratch(keep, "ckptverify-replay-") as work:
         try:
-            configs = {}
-            for name in ("R1", "R2"):
-                configs[name] = RunConfig(
-                    name=name, stop_step=ckpts.end, total_steps=total, save_at=(ckpts.end,),
-                    checkpoint_dir=os.path.join(work, name),
-                    resume_from=ckpts.start_path, trace_dir=os.path.join(work, f"trace-{name}"),
-                    level=level, workload=meta["target"],
-                    # Per-tensor cells, so a differing category is traced back to its tensor.
-                    trace_every=int(meta.get("trace_every", 1)), trace_detail="tensor")
+            # Per-tensor cells, so a differing category is traced back to its tensor.
+            configs = {name: RunConfig(name=name, stop_step=ckpts.end, total_steps=total, save_at=(ckpts.end,),
+                                       checkpoint_dir=os.path.join(work, name), resume_from=ckpts.start_path,
+                                       trace_dir=os.path.join(work, f"trace-{name}"), level=level,
+                                       workload=meta["target"], trace_every=int(meta.get("trace_every", 1)),
+                                       trace_detail="tensor") for name in ("R1", "R2")}
 
             # Fresh processes each: process-dependent nondeterminism (hash seeds, allocation order) must show.
             replayed_for = launch_each(world, device, [
