@@ -242,11 +242,10 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     ``CkptVerifyError`` when the workload crashes."""
     from ckptverify.audit.diff import diff_checkpoints
     from ckptverify.replay.causes import judge
-    from ckptverify.resume.compare import rank_files
     from ckptverify.resume.harness_target import check_target
     from ckptverify.resume.launch import launch_each, scratch
     from ckptverify.resume.locate.walk import for_replay
-    from ckptverify.resume.run import RunConfig, checkpoint_path
+    from ckptverify.resume.run import RunConfig, checkpoint_path, rank_files
     from ckptverify.resume.verdict import Verdict
     from ckptverify.trace.compare import compare_runs, comparison_findings, rank_comparisons
 

@@ -29,7 +29,7 @@ from ckptverify.resume.harness_target import (
     usage_text,
     user_traceback,
 )
-from ckptverify.resume.run import Run, RunConfig, _group_backend, harness_job
+from ckptverify.resume.run import Run, RunConfig, _group_backend, harness_job, rank_files
 
 __all__ = ["launch_each", "launch_jobs", "launches_at_once", "log_files", "scratch", "start_method", "workload_logs"]
 
@@ -318,13 +318,9 @@ def _raise_failure(jobs: list[tuple[str, RunConfig]], exc: Exception) -> None:
     (identical ones shown once)."""
     found: dict[str, dict[str, dict[str, list[int]]]] = {}  # run -> kind -> text -> ranks
     for _, config in jobs:
-        d = config.trace_dir
-        for name in sorted(os.listdir(d)) if d and os.path.isdir(d) else []:
-            kind, _, rest = name.partition("-rank")
-            if kind in ("usage", "error") and rest.endswith(".txt") and rest[:-4].isdigit():
-                with open(os.path.join(d, name)) as f:
-                    text = f.read()
-                found.setdefault(config.name, {}).setdefault(kind, {}).setdefault(text, []).append(int(rest[:-4]))
+        for kind in ("usage", "error"):
+            for rank, text in rank_files(config.trace_dir, kind, ".txt").items():
+                found.setdefault(config.name, {}).setdefault(kind, {}).setdefault(text, []).append(rank)
     for kinds in found.values():
         if "usage" in kinds:
             raise UsageError(next(iter(kinds["usage"])))

@@ -73,6 +73,19 @@ def checkpoint_path(checkpoint_dir: str, step: int) -> str:
     return os.path.join(checkpoint_dir, f"step_{step}")
 
 
+def rank_files(trace_dir: str | None, kind: str, ext: str = ".json") -> dict[int, Any]:
+    """Each rank's ``<kind>-rank<r><ext>`` beside a run's trace (``notes``, ``restore``, ``held``; ``.txt``: the
+    ``usage``/``error`` text a failed rank left), JSON parsed, in rank order; ``{}`` without the folder."""
+    out: dict[int, Any] = {}
+    prefix = f"{kind}-rank"
+    for name in os.listdir(trace_dir) if trace_dir and os.path.isdir(trace_dir) else ():
+        rank = name[len(prefix):-len(ext)]
+        if name.startswith(prefix) and name.endswith(ext) and rank.isdigit():
+            with open(os.path.join(trace_dir, name)) as f:  # type: ignore[arg-type]
+                out[int(rank)] = json.load(f) if ext == ".json" else f.read()
+    return dict(sorted(out.items()))
+
+
 @dataclass
 class _Progress:
     step: int = 0
