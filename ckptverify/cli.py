@@ -626,12 +626,14 @@ def _launch(command: str, target: str, keep: str | None, json_out: bool, run: Ca
     labelled on the terminal."""
     import contextlib
     import os
+    import tempfile
 
     from ckptverify.findings import Report
-    from ckptverify.render.resume import log_dir_for
     from ckptverify.resume.launch import log_files, workload_logs
 
-    log_dir = log_dir_for(keep) if json_out else None
+    log_dir = None
+    if json_out:
+        log_dir = os.path.join(os.path.abspath(keep), "logs") if keep else tempfile.mkdtemp(prefix="ckptverify-logs-")
     try:
         with workload_logs(log_dir) if log_dir else contextlib.nullcontext():
             result = run()

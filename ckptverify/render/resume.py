@@ -4,15 +4,13 @@ that imports rich only when called; :func:`resume_check` is ``ckptverify.resume_
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ckptverify.resume.harness import FigureWriter, Outcome, Plan
 
-__all__ = ["log_dir_for", "render_compare", "render_verdict", "resume_check"]
+__all__ = ["render_compare", "render_verdict", "resume_check"]
 
 
 def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str], None] | None = None,
@@ -30,14 +28,6 @@ def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str
         _pyplot()  # refuse before the runs, not after them, when matplotlib is missing
         figures = write_report
     return check(plan, keep=keep, progress=progress, verbose=verbose, report_dir=report_dir, figures=figures)
-
-
-def log_dir_for(keep: str | None) -> str:
-    """Where per-rank workload logs go when stdout must stay clean: ``<keep>/logs``, or a fresh directory that
-    outlives the check."""
-    if keep:
-        return os.path.join(os.path.abspath(keep), "logs")
-    return tempfile.mkdtemp(prefix="ckptverify-logs-")
 
 
 def render_verdict(report: Any, console: Any, line: str, passed: bool) -> None:
