@@ -50,15 +50,11 @@ class ChangePlan:
     def __post_init__(self) -> None:
         split_target(self.base)
         split_target(self.changed)
-        if self.steps < 1:
-            raise UsageError(f"--steps must be at least 1, got {self.steps}")
-        if self.nproc < 1:
-            raise UsageError(f"--nproc must be at least 1, got {self.nproc}")
-        if self.repeats < 1:
-            raise UsageError(f"--repeats must be at least 1 (the control runs that measure variation), got "
-                             f"{self.repeats}")
-        if self.locate_repeats < 1:
-            raise UsageError(f"--locate-repeats must be at least 1, got {self.locate_repeats}")
+        for flag, value, what in (("--steps", self.steps, ""), ("--nproc", self.nproc, ""),
+                                  ("--repeats", self.repeats, " (the control runs that measure variation)"),
+                                  ("--locate-repeats", self.locate_repeats, "")):
+            if value < 1:
+                raise UsageError(f"{flag} must be at least 1{what}, got {value}")
         # metrics has no per-site state; op is the walk's own level.
         allowed = [x for x in LEVELS if x not in ("metrics", "op")]
         if self.level not in allowed:
