@@ -118,13 +118,11 @@ def _cells(dirs: list[str], changed: str) -> list[_Cell]:
     from ckptverify.trace.compare import run_stores
     from ckptverify.trace.store import open_trace
 
-    stores = [run_stores(d) for d in dirs]
-    changed_stores = run_stores(changed)
+    *controls, changed_run = [{r: open_trace(p) for r, p in run_stores(d).items()} for d in (*dirs, changed)]
     out: list[_Cell] = []
-    for rank in stores[0]:
-        traces = [open_trace(s[rank]) if rank in s else None for s in stores]
-        tc = open_trace(changed_stores[rank]) if rank in changed_stores else None
-        first = traces[0]
+    for rank, first in controls[0].items():
+        traces = [c.get(rank) for c in controls]
+        tc = changed_run.get(rank)
         names = [s.name for s in first.sites]
         if tc is not None:
             names += [s.name for s in tc.sites if not first.has_site(s.name)]
