@@ -114,19 +114,15 @@ def capture_rng(generators: Mapping[str, torch.Generator] | None = None) -> dict
 # ------------------------------------------------------------------------------------------- restore
 
 
-def _byte_state(value: Any, kind: str, like: torch.Tensor) -> torch.Tensor:
-    """``value`` as the byte state of ``kind``, refused unless a 1-D uint8 tensor as long as ``like``."""
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
-        raise UsageError(f"RNG state {kind!r} must be a 1-D uint8 tensor, got {_describe(value)}")
-    if value.numel() != like.numel():
+def _vector(value: Any, kind: str, like: torch.Tensor | None = None) -> torch.Tensor:
+    """``value`` on the CPU, refused unless a 1-D tensor (with ``like``: a uint8 byte state as long as ``like``)."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or (like is not None and value.dtype != torch.uint8):
+        got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+               else f"a {type(value).__name__}")
+        raise UsageError(f"RNG state {kind!r} must be a 1-D {'' if like is None else 'uint8 '}tensor, got {got}")
+    if like is not None and value.numel() != like.numel():
         raise UsageError(f"RNG state {kind!r} has {value.numel()} bytes, torch expects {like.numel()}")
     return value.detach().cpu().contiguous()
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
 
 
 def _field(state: Mapping[str, Any], kind: str, name: str) -> Any:
@@ -136,9 +132,7 @@ def _field(state: Mapping[str, Any], kind: str, name: str) -> Any:
 
 
 def _restore_python(st: Mapping[str, Any]) -> None:
-    internal = _field(st, _PYTHON, "state")
-    if not isinstance(internal, torch.Tensor) or internal.dim() != 1:
-        raise UsageError(f"RNG state 'python.state' must be a 1-D tensor, got {_describe(internal)}")
+    internal = _vector(_field(st, _PYTHON, "state"), "python.state")
     gauss = None
     if bool(_field(st, _PYTHON, "has_gauss_next")):
         gauss = float(_field(st, _PYTHON, "gauss_next"))
@@ -149,10 +143,7 @@ def _restore_python(st: Mapping[str, Any]) -> None:
 
 
 def _restore_numpy(st: Mapping[str, Any]) -> None:
-    keys = _field(st, _NUMPY, "keys")
-    if not isinstance(keys, torch.Tensor) or keys.dim() != 1:
-        raise UsageError(f"RNG state 'numpy.keys' must be a 1-D tensor, got {_describe(keys)}")
-    arr = keys.detach().cpu().numpy()
+    arr = _vector(_field(st, _NUMPY, "keys"), "numpy.keys").numpy()
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise UsageError("RNG state 'numpy.keys' holds values outside uint32")
     try:
@@ -193,15 +184,15 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
     cuda_index = _cuda_index_to_restore(state)
 
     # Validate everything that can be validated before changing any stream.
-    cpu = _byte_state(state[_TORCH_CPU], _TORCH_CPU, torch.get_rng_state())
-    cuda = None if cuda_index is None else _byte_state(state[_CUDA], _CUDA, torch.cuda.get_rng_state(cuda_index))
+    cpu = _vector(state[_TORCH_CPU], _TORCH_CPU, torch.get_rng_state())
+    cuda = None if cuda_index is None else _vector(state[_CUDA], _CUDA, torch.cuda.get_rng_state(cuda_index))
     gen_states: dict[str, torch.Tensor] = {}
     for name, gen in gens.items():
         kind = f"{_GEN_PREFIX}{name}"
         device = str(_field(state[kind], kind, "device"))
         if torch.device(device).type != gen.device.type:
             raise UsageError(f"generator {name!r} was captured on {device} but the given one is on {gen.device}")
-        gen_states[name] = _byte_state(_field(state[kind], kind, "state"), kind, gen.get_state())
+        gen_states[name] = _vector(_field(state[kind], kind, "state"), kind, gen.get_state())
 
     _restore_python(state[_PYTHON])
     _restore_numpy(state[_NUMPY])
