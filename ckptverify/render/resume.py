@@ -1,5 +1,5 @@
-"""How ``resume-check`` shows its outcome: findings, the verdict as the last line, and the report page. A front end
-that imports rich only when called; :func:`resume_check` is ``ckptverify.resume_check``: the core check with
+"""How ``resume-check`` and ``compare`` show their outcome: findings, the report page, the verdict as the last line. A
+front end that imports rich only when called; :func:`resume_check` is ``ckptverify.resume_check``: the core check with
 :mod:`ckptverify.render.figures` plugged in (the core never imports render)."""
 
 from __future__ import annotations
