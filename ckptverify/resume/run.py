@@ -98,7 +98,7 @@ _harness_config: RunConfig | None = None
 
 @contextlib.contextmanager
 def harness_job(config: RunConfig) -> Iterator[None]:
-    """Within the block, ``Run.main``/``Run.from_env`` give the harness job ``config``. A process argument, not an
+    """Within the block, ``Run.main`` runs the harness job ``config``. A process argument, not an
     environment variable, so a process the training function starts does not inherit it."""
     global _harness_config
     previous, _harness_config = _harness_config, config
@@ -127,14 +127,6 @@ class Run:
         self._notes: dict[str, Any] = {}
 
     @classmethod
-    def from_env(cls, *, steps: int | None = None) -> Run:
-        """The harness's run when this process runs one of its jobs (:func:`harness_job`), else a plain run of
-        ``steps`` steps."""
-        if _harness_config is not None:
-            return cls(_harness_config)
-        return cls(RunConfig(stop_step=steps))
-
-    @classmethod
     def main(cls, train: Callable[[Run], None], *, steps: int | None = None, run_dir: str | None = None,
              save_every: int | None = None, trace: str = "metrics", trace_every: int = 1,
              on_replica_mismatch: str = "warn", fault: str | None = None,
@@ -151,7 +143,7 @@ class Run:
         raises ``SystemExit(2)`` before ``train`` runs, having changed nothing."""
         verifying = verify_options("Run.main", verify)
         if _harness_config is not None or run_dir is None:
-            run = cls.from_env(steps=steps)
+            run = cls(_harness_config or RunConfig(stop_step=steps))
         else:
             from ckptverify.production.mode import ProductionOptions, target_of
 
