@@ -44,12 +44,6 @@ def _hash(seed: int, tag: int, a: np.ndarray, b: np.ndarray | int = 0) -> np.nda
     return h
 
 
-def _zipf_weights(branching: int) -> list[float]:
-    w = [1.0 / (k + 1) for k in range(branching)]
-    total = sum(w)
-    return [x / total for x in w]
-
-
 class _Chain:
     """The transition structure for one seed: successor table and integer sampling thresholds."""
 
@@ -68,7 +62,8 @@ class _Chain:
         self.successors = np.argsort(keys, axis=1, kind="stable")[:, :branching].astype(np.int64)
         scale = 1 << _PROB_BITS
         self.uniform_threshold = np.uint64(round(smoothing * scale))
-        self.weights = _zipf_weights(branching)
+        zipf = [1.0 / (k + 1) for k in range(branching)]
+        self.weights = [w / sum(zipf) for w in zipf]
         cdf = np.cumsum(self.weights)
         # Thresholds over [0, 2**32) for picking successor k; the last one covers the whole range.
         self.branch_cdf = np.minimum(np.round(cdf * scale), scale).astype(np.uint64)
