@@ -5,8 +5,11 @@ Exit codes everywhere: 0 all checks passed, 1 a check failed, 2 the tool could n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import json
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -173,8 +176,6 @@ class _Group(click.Group):
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as exc:  # the last line of defence: no traceback for any input
-            import os
-
             if os.environ.get("CKPTVERIFY_DEBUG"):
                 raise
             fail(command, " ".join(argv), f"internal error ({type(exc).__name__}: {exc}); set CKPTVERIFY_DEBUG=1 for "
@@ -347,8 +348,6 @@ def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps:
     _write_metrics(metrics_file, report, json_out and not path_only)
     if path_only:
         if found.path is not None:
-            import os
-
             raw = os.fsencode(found.path)  # the name's own bytes, whatever their encoding
             if not null and b"\n" in raw:
                 fail("latest", run_dir, f"the path {found.path} holds a newline, which one line cannot carry; use "
@@ -386,8 +385,6 @@ def watch(run_dir: str, once: bool, interval: float, exit_on_failure: bool, log_
     from ckptverify.verifier.watch import watch as run_watch
 
     def line(obj: dict) -> None:
-        import json
-
         click.echo(json.dumps(obj, default=str))
 
     def show(item: dict) -> None:
@@ -624,8 +621,6 @@ def _launch(command: str, target: str, keep: str | None, json_out: bool, run: Ca
     JSON document (what the user's code prints when its target is checked in this process goes to stderr:
     ``check_target``), and the report's ``stats.logs`` names the files. Without ``--json`` the runs' output is
     labelled on the terminal."""
-    import contextlib
-    import os
     import tempfile
 
     from ckptverify.findings import Report
