@@ -34,30 +34,10 @@ _EXPORTS = {
     "VerifyOptions": "ckptverify.options",
 }
 
-__all__ = [
-    "BackgroundVerifier",
-    "Counters",
-    "ResumableSampler",
-    "Run",
-    "TrainState",
-    "Verification",
-    "VerifyOptions",
-    "__version__",
-    "async_save",
-    "chunk_fingerprint",
-    "diff_checkpoints",
-    "fingerprint_checkpoint",
-    "last_verification",
-    "latest_verified",
-    "load",
-    "prune",
-    "resume_check",
-    "save",
-    "scan_run_dir",
-    "tensor_fingerprint",
-    "verify_checkpoint",
-    "wait_for_verifications",
-]
+__all__ = ["BackgroundVerifier", "Counters", "ResumableSampler", "Run", "TrainState", "Verification", "VerifyOptions",
+           "__version__", "async_save", "chunk_fingerprint", "diff_checkpoints", "fingerprint_checkpoint",
+           "last_verification", "latest_verified", "load", "prune", "resume_check", "save", "scan_run_dir",
+           "tensor_fingerprint", "verify_checkpoint", "wait_for_verifications"]
 
 if _TYPE_CHECKING:
     from ckptverify.audit.adopt import fingerprint_checkpoint

@@ -5,8 +5,11 @@ Exit codes everywhere: 0 all checks passed, 1 a check failed, 2 the tool could n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import json
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -15,7 +18,7 @@ import click
 
 from ckptverify._version import __version__
 from ckptverify.errors import CkptVerifyError, UsageError
-from ckptverify.render.report import fail, printable
+from ckptverify.render.report import fail, printable, safe_text
 
 if TYPE_CHECKING:
     from ckptverify.checks.dcp_pipeline import Executor
@@ -52,14 +55,16 @@ class _Progress:
         return not quiet and (self.always or sys.stderr.isatty())
 
 
-def _say(progress: _Progress, quiet: bool, *, emoji: bool = True) -> Any:
-    """A ``progress(message)`` callback printing dim ``· message`` lines on stderr, or ``None`` (no progress)."""
+def _say(progress: _Progress, quiet: bool, *, emoji: bool = True, stages: bool = False) -> Any:
+    """A ``progress(message)`` callback printing dim ``· message`` lines on stderr, or ``None`` (no progress);
+    ``stages``: a numbered stage (``1/4 ...``) stands out and other lines are indented under it."""
     if not progress.wanted(quiet):
         return None
     from rich.console import Console
 
     err = Console(stderr=True, emoji=emoji)
-    return lambda msg: err.print(_text(f"· {msg}", "dim"))
+    return lambda msg: err.print(safe_text(msg, "bold cyan") if stages and msg[:2] in {"1/", "2/", "3/", "4/"}
+                                 else safe_text(f"{'  ' if stages else ''}· {msg}", "dim"))
 
 
 def _decorators(*options: Callable[[F], F]) -> Callable[[F], F]:
@@ -171,8 +176,6 @@ class _Group(click.Group):
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as exc:  # the last line of defence: no traceback for any input
-            import os
-
             if os.environ.get("CKPTVERIFY_DEBUG"):
                 raise
             fail(command, " ".join(argv), f"internal error ({type(exc).__name__}: {exc}); set CKPTVERIFY_DEBUG=1 for "
@@ -345,8 +348,6 @@ def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps:
     _write_metrics(metrics_file, report, json_out and not path_only)
     if path_only:
         if found.path is not None:
-            import os
-
             raw = os.fsencode(found.path)  # the name's own bytes, whatever their encoding
             if not null and b"\n" in raw:
                 fail("latest", run_dir, f"the path {found.path} holds a newline, which one line cannot carry; use "
@@ -384,8 +385,6 @@ def watch(run_dir: str, once: bool, interval: float, exit_on_failure: bool, log_
     from ckptverify.verifier.watch import watch as run_watch
 
     def line(obj: dict) -> None:
-        import json
-
         click.echo(json.dumps(obj, default=str))
 
     def show(item: dict) -> None:
@@ -482,7 +481,7 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
     in fresh processes, then compares restored state, traces and final states, and names the first
     divergence. Exit 0: equivalent; 1: not; 2: could not run (a crashing workload shows its traceback).
     """
-    from ckptverify.render.resume import emit_resume, resume_check
+    from ckptverify.render.resume import render_verdict, resume_check
     from ckptverify.resume.harness import Plan
 
     def run() -> Any:
@@ -494,8 +493,9 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
                             report_dir=report_dir)
 
     outcome = _launch("resume-check", target, keep, json_out, run)
-    _write_metrics(metrics_file, outcome.report, json_out)
-    sys.exit(emit_resume(outcome, json_out))
+    verdict = outcome.verdict
+    _emit(outcome.report, json_out, metrics_file=metrics_file,
+          render=lambda report, console: render_verdict(report, console, verdict.headline(), verdict.passed))
 
 
 @main.command()
@@ -575,15 +575,8 @@ def demo(nproc: int, keep: str | None, json_out: bool, progress: _Progress) -> N
     flipped bit, prove a resume bitwise exact, and diagnose a planted bug."""
     from ckptverify.examples.demo import run_demo
 
-    say = None
-    if progress.wanted(json_out):
-        from rich.console import Console
-
-        err = Console(stderr=True)
-        say = lambda msg: err.print(_text(msg, "bold cyan") if msg[:2] in {"1/", "2/", "3/", "4/"}  # noqa: E731
-                                    else _text(f"  · {msg}", "dim"))
     try:
-        report = run_demo(nproc=nproc, keep=keep, say=say)
+        report = run_demo(nproc=nproc, keep=keep, say=_say(progress, json_out, stages=True))
     except CkptVerifyError as exc:
         fail("demo", "built-in workload", exc, json_out)
     _emit(report, json_out)
@@ -628,14 +621,14 @@ def _launch(command: str, target: str, keep: str | None, json_out: bool, run: Ca
     JSON document (what the user's code prints when its target is checked in this process goes to stderr:
     ``check_target``), and the report's ``stats.logs`` names the files. Without ``--json`` the runs' output is
     labelled on the terminal."""
-    import contextlib
-    import os
+    import tempfile
 
     from ckptverify.findings import Report
-    from ckptverify.render.resume import log_dir_for
     from ckptverify.resume.launch import log_files, workload_logs
 
-    log_dir = log_dir_for(keep) if json_out else None
+    log_dir = None
+    if json_out:
+        log_dir = os.path.join(os.path.abspath(keep), "logs") if keep else tempfile.mkdtemp(prefix="ckptverify-logs-")
     try:
         with workload_logs(log_dir) if log_dir else contextlib.nullcontext():
             result = run()
@@ -726,7 +719,7 @@ def _render_ranks(report: Any, console: Any) -> None:
     from ckptverify.render.report import human_bytes
 
     def say(text: str) -> None:
-        console.print(_text(text, "dim"))
+        console.print(safe_text(text, "dim"))
 
     stats = report.stats
     ranks = stats.get("ranks") or []
@@ -770,12 +763,6 @@ def _write_metrics(metrics_file: str | None, report: Any, json_out: bool) -> Non
         write_metrics(metrics_file, report)
     except OSError as exc:
         fail(report.command, report.target, UsageError(f"cannot write --metrics-file {metrics_file}: {exc}"), json_out)
-
-
-def _text(value: object, style: str) -> Any:
-    from rich.text import Text
-
-    return Text(printable(value), style=style)
 
 
 if __name__ == "__main__":  # pragma: no cover

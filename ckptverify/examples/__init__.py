@@ -12,15 +12,5 @@ from ckptverify.examples.tinygpt import (
     wrap_fsdp2,
 )
 
-__all__ = [
-    "TinyGPT",
-    "TinyGPTConfig",
-    "TokenDataset",
-    "Training",
-    "WarmupCosine",
-    "build_training",
-    "generate_tokens",
-    "make_loader",
-    "train_step",
-    "wrap_fsdp2",
-]
+__all__ = ["TinyGPT", "TinyGPTConfig", "TokenDataset", "Training", "WarmupCosine", "build_training", "generate_tokens",
+           "make_loader", "train_step", "wrap_fsdp2"]

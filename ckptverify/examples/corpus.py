@@ -44,12 +44,6 @@ def _hash(seed: int, tag: int, a: np.ndarray, b: np.ndarray | int = 0) -> np.nda
     return h
 
 
-def _zipf_weights(branching: int) -> list[float]:
-    w = [1.0 / (k + 1) for k in range(branching)]
-    total = sum(w)
-    return [x / total for x in w]
-
-
 class _Chain:
     """The transition structure for one seed: successor table and integer sampling thresholds."""
 
@@ -68,11 +62,12 @@ class _Chain:
         self.successors = np.argsort(keys, axis=1, kind="stable")[:, :branching].astype(np.int64)
         scale = 1 << _PROB_BITS
         self.uniform_threshold = np.uint64(round(smoothing * scale))
-        cdf = np.cumsum(_zipf_weights(branching))
+        zipf = [1.0 / (k + 1) for k in range(branching)]
+        self.weights = [w / sum(zipf) for w in zipf]
+        cdf = np.cumsum(self.weights)
         # Thresholds over [0, 2**32) for picking successor k; the last one covers the whole range.
         self.branch_cdf = np.minimum(np.round(cdf * scale), scale).astype(np.uint64)
         self.branch_cdf[-1] = np.uint64(scale)
-        self.weights = _zipf_weights(branching)
         self.smoothing = smoothing
 
     def entropy_rate(self) -> float:
@@ -86,16 +81,8 @@ class _Chain:
         return float(-(probs * np.log(probs)).sum())
 
 
-def generate_tokens(
-    num_sequences: int,
-    length: int,
-    vocab_size: int = 256,
-    seed: int = 0,
-    *,
-    branching: int = 8,
-    smoothing: float = 0.1,
-    start: int = 0,
-) -> np.ndarray:
+def generate_tokens(num_sequences: int, length: int, vocab_size: int = 256, seed: int = 0, *, branching: int = 8,
+                    smoothing: float = 0.1, start: int = 0) -> np.ndarray:
     """Sequences ``start .. start + num_sequences - 1`` of the chain, as an int64 array ``(num_sequences, length)``."""
     if num_sequences < 0 or length < 1:
         raise ValueError("num_sequences must be >= 0 and length >= 1")
@@ -129,16 +116,8 @@ class TokenDataset(Dataset):
     thousand sequences of 32 tokens take a few milliseconds) and are the same on every rank and in every run.
     """
 
-    def __init__(
-        self,
-        num_sequences: int,
-        seq_len: int,
-        vocab_size: int = 256,
-        seed: int = 0,
-        *,
-        branching: int = 8,
-        smoothing: float = 0.1,
-    ) -> None:
+    def __init__(self, num_sequences: int, seq_len: int, vocab_size: int = 256, seed: int = 0, *, branching: int = 8,
+                 smoothing: float = 0.1) -> None:
         if num_sequences < 1 or seq_len < 1:
             raise ValueError("num_sequences and seq_len must be positive")
         self.num_sequences = num_sequences

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 
 from ckptverify.findings import Finding, Location, Report, error, info
@@ -23,13 +22,12 @@ def run_demo(*, nproc: int = 2, steps: int = 8, resume_at: int = 4, keep: str | 
              say: Callable[[str], None] | None = None) -> Report:
     from ckptverify.audit.verify import verify_checkpoint
     from ckptverify.resume.harness import Plan, resume_check
+    from ckptverify.resume.launch import scratch
     from ckptverify.resume.run import checkpoint_path
 
     say = say or (lambda _msg: None)
-    workdir = os.path.abspath(keep) if keep else tempfile.mkdtemp(prefix="ckptverify-demo-")
-    os.makedirs(workdir, exist_ok=True)
     findings: list[Finding] = []
-    try:
+    with scratch(keep, "ckptverify-demo-") as workdir:
         say(f"1/4 training the built-in tiny GPT on {nproc} rank(s) and checking resume equivalence")
         good = resume_check(Plan(target="ckptverify.examples.workloads:correct", steps=steps, resume_at=resume_at,
                                  nproc=nproc), keep=os.path.join(workdir, "correct"), progress=say)
@@ -61,9 +59,6 @@ def run_demo(*, nproc: int = 2, steps: int = 8, resume_at: int = 4, keep: str | 
                                keep=os.path.join(workdir, "planted"), progress=say)
         findings.append(_stage("resume-check planted bug", planted.verdict.kind == "scheduler",
                                f"diagnosis: {planted.verdict.message}", planted.report))
-    finally:
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
     return Report(command="demo", target="built-in workload", findings=tuple(findings),
                   stats={"nproc": nproc, "steps": steps, "resume_at": resume_at, "workdir": workdir if keep else None})
 

@@ -28,11 +28,10 @@ Run one: ``ckptverify resume-check ckptverify.examples.planted:eval_after_save -
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ckptverify.examples.tinygpt import Block, TinyGPTConfig, Training, train_step
-from ckptverify.examples.workloads import BATCH, CONFIG, _loop, _setup
+from ckptverify.examples.tinygpt import Block, TinyGPTConfig, Training, lm_loss, train_step
+from ckptverify.examples.workloads import BATCH, _loop, _manual_lr, _setup, _state
 from ckptverify.resume.run import Run
 from ckptverify.state.train_state import TrainState
 from ckptverify.trace.sites import local_view
@@ -71,20 +70,9 @@ def evaluate(training: Training, batches: int = 2) -> float:
     total = 0.0
     for _ in range(batches):
         x, y = get_batch(training)
-        logits = model(x.to(training.device))
-        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(training.device).reshape(-1)))
+        total += float(lm_loss(model, x.to(training.device), y.to(training.device)))
     model.train()
     return total / batches
-
-
-def _full_state(training: Training) -> TrainState:
-    return TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler)
-
-
-def _manual_lr(training: Training) -> None:
-    """Drop the built-in schedule: the loop sets lr itself."""
-    training.optimizer = torch.optim.AdamW(training.model.parameters(), lr=3e-3, betas=(0.9, 0.95))
-    training.scheduler = None
 
 
 # ------------------------------------------------------------------------------------------- §1 causes
@@ -92,7 +80,7 @@ def _manual_lr(training: Training) -> None:
 
 def reseed_after_restore(run: Run) -> None:
     training, _ = _setup(run)
-    state = _full_state(training)
+    state = _state(training)
     run.restore(state)
     torch.manual_seed(1234 + run.rank)  # BUG: throws the restored stream away; the next batch changes too
     for _ in run.steps():
@@ -103,7 +91,7 @@ def reseed_after_restore(run: Run) -> None:
 
 def eval_after_save(run: Run) -> None:
     training, _ = _setup(run)
-    state = _full_state(training)
+    state = _state(training)
     run.restore(state)
     for _ in run.steps():
         batch = get_batch(training)
@@ -133,8 +121,7 @@ def counter_reset_lr(run: Run) -> None:
 
 def hparam_reapplied(run: Run) -> None:
     training, loader = _setup(run)
-    state = TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
-                       dataloader=loader)
+    state = _state(training, loader)
     run.restore(state)
     configured_wd = 0.1
     for group in training.optimizer.param_groups[:1]:
@@ -167,8 +154,7 @@ class EMA(nn.Module):
 def ema_unregistered(run: Run) -> None:
     training, loader = _setup(run)
     ema = EMA(training.model)  # BUG: not in the TrainState; nothing traced reads it
-    state = TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
-                       dataloader=loader)
+    state = _state(training, loader)
     run.restore(state)
     for batch in run.steps(loader):
         out = train_step(training, batch)
@@ -179,14 +165,11 @@ def ema_unregistered(run: Run) -> None:
 def scaler_unregistered(run: Run) -> None:
     training, loader = _setup(run)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)  # BUG: not in the TrainState
-    state = TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
-                       dataloader=loader)
+    state = _state(training, loader)
     run.restore(state)
     model, optimizer = training.model, training.optimizer
     for batch in run.steps(loader):
-        x, y = batch
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss = lm_loss(model, *batch)
         scaler.scale(loss).backward()  # a power-of-two scale: every value stays bitwise equal
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)
@@ -233,26 +216,8 @@ class CountingBlock(Block):
 
 
 def _with_blocks(run: Run, block_cls: type[Block]) -> None:
-    import random
-
-    import numpy as np
-
-    from ckptverify.examples.tinygpt import build_training, make_loader
-
-    torch.set_num_threads(1)
-    random.seed(run.rank)
-    np.random.seed(run.rank)
-    mesh = None
-    device = "cuda" if run.device == "cuda" and torch.cuda.is_available() else "cpu"
-    if run.world_size > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device, (run.world_size,))
-    training = build_training(CONFIG, total_steps=40, num_sequences=512, mesh=mesh, device=device, seed=0,
-                              block_cls=block_cls)
-    loader = make_loader(training.dataset, BATCH, rank=run.rank, world_size=run.world_size, seed=1)
-    state = TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
-                       dataloader=loader)
+    training, loader = _setup(run, block_cls)
+    state = _state(training, loader)
     run.restore(state)
     _loop(run, training, loader)
 

@@ -40,16 +40,8 @@ from torch.utils.data import DataLoader
 from ckptverify.examples.corpus import TokenDataset
 from ckptverify.state.distributed import rank_world
 
-__all__ = [
-    "TinyGPT",
-    "TinyGPTConfig",
-    "Training",
-    "WarmupCosine",
-    "build_training",
-    "make_loader",
-    "train_step",
-    "wrap_fsdp2",
-]
+__all__ = ["TinyGPT", "TinyGPTConfig", "Training", "WarmupCosine", "build_training", "lm_loss", "make_loader",
+           "train_step", "wrap_fsdp2"]
 
 
 @dataclass(frozen=True)
@@ -215,20 +207,10 @@ def wrap_fsdp2(model: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:
     return model
 
 
-def build_training(
-    config: TinyGPTConfig,
-    *,
-    lr: float = 3e-3,
-    warmup_steps: int = 5,
-    total_steps: int = 100,
-    weight_decay: float = 0.1,
-    grad_clip: float = 1.0,
-    seed: int = 0,
-    device: str | torch.device = "cpu",
-    num_sequences: int = 2048,
-    mesh: Any = None,
-    block_cls: type[Block] | None = None,
-) -> Training:
+def build_training(config: TinyGPTConfig, *, lr: float = 3e-3, warmup_steps: int = 5, total_steps: int = 100,
+                   weight_decay: float = 0.1, grad_clip: float = 1.0, seed: int = 0,
+                   device: str | torch.device = "cpu", num_sequences: int = 2048, mesh: Any = None,
+                   block_cls: type[Block] | None = None) -> Training:
     """Model, AdamW, warmup+cosine ``LambdaLR`` and the token dataset, all from ``seed``.
 
     The model is initialised from ``seed`` (identically on every rank), moved to ``device`` and, when ``mesh`` is
@@ -245,26 +227,15 @@ def build_training(
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr,
-        betas=(0.9, 0.95),
-    )
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr,
+        betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps))
     dataset = TokenDataset(num_sequences, config.seq_len, config.vocab_size, seed)
     return Training(model, optimizer, scheduler, dataset, config, device, grad_clip)
 
 
-def make_loader(
-    dataset: TokenDataset,
-    batch_size: int,
-    *,
-    rank: int = 0,
-    world_size: int = 1,
-    seed: int = 0,
-    shuffle: bool = True,
-    loader_cls: type = DataLoader,
-    **kwargs: Any,
-) -> Any:
+def make_loader(dataset: TokenDataset, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
+                shuffle: bool = True, loader_cls: type = DataLoader, **kwargs: Any) -> Any:
     """A loader over this rank's part of ``dataset``: a seeded :class:`~ckptverify.state.sampler.ResumableSampler`
     (sharded like ``DistributedSampler``, ``drop_last``, resumable mid-epoch) and fixed-size batches.
     ``loader_cls`` may be ``torchdata.stateful_dataloader.StatefulDataLoader``; ``kwargs`` go to it. Call
@@ -287,10 +258,15 @@ def train_step(training: Training, batch: tuple[torch.Tensor, torch.Tensor]) -> 
     model = training.model
     model.train()
     input_ids, targets = (z.to(training.device, non_blocking=True) for z in batch)
-    logits = model(input_ids)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss = lm_loss(model, input_ids, targets)
     loss.backward()
     return optimizer_step(training, loss.detach())
+
+
+def lm_loss(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The next-token cross-entropy of ``model`` on ``input_ids`` against ``targets`` (mean over tokens)."""
+    logits = model(input_ids)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def optimizer_step(training: Training, loss: torch.Tensor) -> dict[str, float | torch.Tensor]:

@@ -24,12 +24,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ckptverify.examples.tinygpt import (
+    Block,
     TinyGPTConfig,
     Training,
     build_training,
+    lm_loss,
     make_loader,
     optimizer_step,
     train_step,
@@ -49,7 +50,7 @@ EXPECTED_VERDICTS = {
 }
 
 
-def _setup(run: Run) -> tuple[Training, Any]:
+def _setup(run: Run, block_cls: type[Block] | None = None) -> tuple[Training, Any]:
     torch.set_num_threads(1)  # bitwise reproducibility on CPU needs a fixed thread count
     random.seed(run.rank)  # every random stream seeded, used or not
     np.random.seed(run.rank)
@@ -59,9 +60,22 @@ def _setup(run: Run) -> tuple[Training, Any]:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device, (run.world_size,))
-    training = build_training(CONFIG, total_steps=40, num_sequences=512, mesh=mesh, device=device, seed=0)
+    training = build_training(CONFIG, total_steps=40, num_sequences=512, mesh=mesh, device=device, seed=0,
+                              block_cls=block_cls)
     loader = make_loader(training.dataset, BATCH, rank=run.rank, world_size=run.world_size, seed=1)
     return training, loader
+
+
+def _state(training: Training, loader: Any = None) -> TrainState:
+    """The TrainState of ``training``'s model, optimizer and scheduler (and ``loader``): what a correct job holds."""
+    return TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
+                      dataloader=loader)
+
+
+def _manual_lr(training: Training) -> None:
+    """Drop the built-in schedule: the loop sets lr itself."""
+    training.optimizer = torch.optim.AdamW(training.model.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    training.scheduler = None
 
 
 def _loop(run: Run, training: Training, loader: Any, step: Any = train_step) -> None:
@@ -73,16 +87,14 @@ def _loop(run: Run, training: Training, loader: Any, step: Any = train_step) -> 
 def correct(run: Run) -> None:
     """The built-in workload, with its full state registered: resumes bitwise."""
     training, loader = _setup(run)
-    state = TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
-                       dataloader=loader)
+    state = _state(training, loader)
     run.restore(state)
     _loop(run, training, loader)
 
 
 def rng_not_restored(run: Run) -> None:
     training, loader = _setup(run)
-    state = TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
-                       dataloader=loader)
+    state = _state(training, loader)
     run.restore(state)
     torch.manual_seed(1234 + run.rank)  # BUG: re-seeding after the restore throws the restored streams away
     _loop(run, training, loader)
@@ -107,9 +119,7 @@ _LR_COUNTER = 0  # BUG: module-level state that drives the learning rate, saved 
 
 def hidden_counter(run: Run) -> None:
     training, loader = _setup(run)
-    # Manual learning-rate control: no scheduler at all, the rate comes from a counter.
-    training.optimizer = torch.optim.AdamW(training.model.parameters(), lr=3e-3, betas=(0.9, 0.95))
-    training.scheduler = None
+    _manual_lr(training)  # no scheduler at all: the rate comes from a counter
     state = TrainState(model=training.model, optimizer=training.optimizer, dataloader=loader)
     run.restore(state)
 
@@ -125,8 +135,7 @@ def hidden_counter(run: Run) -> None:
 
 def nondeterministic(run: Run) -> None:
     training, loader = _setup(run)
-    state = TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
-                       dataloader=loader)
+    state = _state(training, loader)
     run.restore(state)
     order = torch.Generator().manual_seed(os.getpid())  # BUG: the accumulation order depends on the process
 
@@ -140,9 +149,7 @@ def nondeterministic(run: Run) -> None:
         parts = list(zip(input_ids.chunk(input_ids.shape[0]), targets.chunk(targets.shape[0]), strict=True))
         total = torch.zeros((), device=training.device)
         for i in torch.randperm(len(parts), generator=order).tolist():
-            x, y = parts[i]
-            logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / len(parts)
+            loss = lm_loss(model, *parts[i]) / len(parts)
             loss.backward()
             total += loss.detach()
         return optimizer_step(training, total)

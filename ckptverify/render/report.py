@@ -11,8 +11,8 @@ from typing import Any, NoReturn
 
 from ckptverify.findings import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, Report, Severity, sort_findings
 
-__all__ = ["SEVERITY_STYLE", "fail", "human_bytes", "number_width", "printable", "render_text", "to_json",
-           "verdict_text"]
+__all__ = ["SEVERITY_STYLE", "fail", "human_bytes", "number_width", "printable", "render_text", "safe_text",
+           "to_json", "verdict_text"]
 
 SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
@@ -72,7 +72,8 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _text(value: object, style: str = "") -> Any:
+def safe_text(value: object, style: str = "") -> Any:
+    """``value`` as a rich ``Text`` in ``style``, made :func:`printable` (never read as markup)."""
     from rich.text import Text
 
     return Text(printable(value), style=style)
@@ -89,29 +90,25 @@ def render_text(report: Report, console: Any, *, max_findings: int = 200) -> Non
             console.width, ["severity", *(f.severity.value for f in shown)], ["check", *(f.check for f in shown)],
             ["where", *(printable(f.location.describe() or "-") for f in shown)],
             ["what", *(printable(f.message) for f in shown)])
-        table = Table(title=_text(f"{report.command}: {report.target}"), show_lines=False, expand=False)
+        table = Table(title=safe_text(f"{report.command}: {report.target}"), show_lines=False, expand=False)
         table.add_column("severity", no_wrap=True)
         table.add_column("check", no_wrap=True)
         table.add_column("where", overflow="fold", width=where_w)
         table.add_column("what", overflow="fold", width=what_w)
         for f in shown:
-            table.add_row(
-                _text(f.severity.value, SEVERITY_STYLE[f.severity]),
-                _text(f.check),
-                _text(f.location.describe() or "-"),
-                _text(f.message),
-            )
+            table.add_row(safe_text(f.severity.value, SEVERITY_STYLE[f.severity]), safe_text(f.check),
+                          safe_text(f.location.describe() or "-"), safe_text(f.message))
         console.print(table)
         if len(findings) > max_findings:
-            console.print(_text(f"... and {len(findings) - max_findings} more findings (use --json for all)"))
+            console.print(safe_text(f"... and {len(findings) - max_findings} more findings (use --json for all)"))
     if report.coverage:
         covered = ", ".join(f"{c.check}: {c.count} {c.unit}" for c in report.coverage)
-        console.print(_text(f"checked {covered}", "dim"))
+        console.print(safe_text(f"checked {covered}", "dim"))
     stats = report.stats
     if stats.get("bytes") is not None and stats.get("seconds"):
         # The rate only where it was measured: a rate of 0 B/s would say the read stalled.
         rate = stats.get("throughput_bytes_per_s")
-        console.print(_text(
+        console.print(safe_text(
             f"{stats.get('files', 0)} files, {human_bytes(stats['bytes'])} in {stats['seconds']:.2f} s"
             + (f" ({human_bytes(rate)}/s)" if rate else ""), "dim"))
     counts = report.summary()
@@ -124,7 +121,7 @@ def verdict_text(passed: bool, text: str) -> Any:
     """The last line of a command's text output: ``PASSED``/``FAILED`` and ``text`` (made printable)."""
     from rich.text import Text
 
-    return Text.assemble(("PASSED", "bold green") if passed else ("FAILED", "bold red"), " ", _text(text))
+    return Text.assemble(("PASSED", "bold green") if passed else ("FAILED", "bold red"), " ", safe_text(text))
 
 
 def _text_widths(width: int, *fixed_and_text: list[str]) -> tuple[int | None, int | None]:

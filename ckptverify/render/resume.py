@@ -1,18 +1,16 @@
-"""How ``resume-check`` shows its outcome: findings, the verdict as the last line, and the report page. A front end
-that imports rich only when called; :func:`resume_check` is ``ckptverify.resume_check``: the core check with
+"""How ``resume-check`` and ``compare`` show their outcome: findings, the report page, the verdict as the last line. A
+front end that imports rich only when called; :func:`resume_check` is ``ckptverify.resume_check``: the core check with
 :mod:`ckptverify.render.figures` plugged in (the core never imports render)."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ckptverify.resume.harness import FigureWriter, Outcome, Plan
 
-__all__ = ["emit_resume", "log_dir_for", "render_compare", "resume_check"]
+__all__ = ["render_compare", "render_verdict", "resume_check"]
 
 
 def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str], None] | None = None,
@@ -32,50 +30,21 @@ def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str
     return check(plan, keep=keep, progress=progress, verbose=verbose, report_dir=report_dir, figures=figures)
 
 
-def log_dir_for(keep: str | None) -> str:
-    """Where per-rank workload logs go when stdout must stay clean: ``<keep>/logs``, or a fresh directory that
-    outlives the check."""
-    if keep:
-        return os.path.join(os.path.abspath(keep), "logs")
-    return tempfile.mkdtemp(prefix="ckptverify-logs-")
+def render_verdict(report: Any, console: Any, line: str, passed: bool) -> None:
+    """A launching command's text output: the findings table, the report page when one was drawn, then ``line``
+    (the verdict) as the last line, green when ``passed``."""
+    from ckptverify.render.report import render_text, safe_text
 
-
-def emit_resume(outcome: Any, json_out: bool) -> int:
-    """Print ``outcome`` (JSON only, or the rich table then the verdict line); return the exit code."""
-    from ckptverify.render.report import printable, render_text, to_json
-
-    report = outcome.report
-    if json_out:
-        print(to_json(report))
-        return int(report.exit_code)
-    from rich.console import Console
-    from rich.markup import escape
-
-    # emoji=False: a target such as `train.py:train` must not become an emoji code.
-    console = Console(highlight=False, emoji=False)
     render_text(report, console)
-    logs = report.stats.get("logs")
-    if logs:
-        console.print(f"[dim]workload output: {escape(printable(', '.join(logs)))}[/]")
     page = report.stats.get("report_page")
     if page:
-        console.print(f"report: {escape(printable(page))}")
-    verdict = outcome.verdict
-    style = "bold green" if verdict.passed else "bold red"
-    console.print(f"[{style}]{escape(printable(verdict.headline()))}[/]")
-    return int(report.exit_code)
+        console.print(safe_text(f"report: {page}"))
+    console.print(safe_text(line, "bold green" if passed else "bold red"))
 
 
 def render_compare(report: Any, console: Any) -> None:
-    """``compare``'s text output: the findings table, then the verdict (``stats.verdict``'s kind and its
-    ``compare-verdict`` finding, which adds the walk's sentence) as the last line."""
-    from rich.markup import escape
-
-    from ckptverify.render.report import printable, render_text
-
-    render_text(report, console)
-    verdict = report.stats.get("verdict") or {}
+    """``compare``'s text output: the verdict line is ``stats.verdict``'s kind and its ``compare-verdict`` finding
+    (which adds the walk's sentence)."""
     said = next((f.message for f in report.findings if f.check == "compare-verdict"), "")
-    style = "bold green" if report.passed else "bold red"
-    line = f"verdict: {verdict.get('kind')} — {said}"
-    console.print(f"[{style}]{escape(printable(line))}[/]")
+    kind = (report.stats.get("verdict") or {}).get("kind")
+    render_verdict(report, console, f"verdict: {kind} — {said}", report.passed)

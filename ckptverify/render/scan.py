@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptverify.findings import Report
-from ckptverify.render.report import SEVERITY_STYLE, human_bytes, number_width, printable, verdict_text
+from ckptverify.render.report import SEVERITY_STYLE, human_bytes, number_width, printable, safe_text, verdict_text
 from ckptverify.runs.states import STATES
 
 __all__ = ["render_scan"]
@@ -19,19 +19,19 @@ def render_scan(report: Report, console: Any) -> None:
 
     style = {"verified": "green", "intact": "green", "suspect": "yellow", "uncheckable": "yellow",
              "incomplete": "yellow", "corrupt": "bold red", "deleted": "yellow"}
-    table = Table(title=Text(printable(f"scan: {report.target}")), expand=False)
+    table = Table(title=safe_text(f"scan: {report.target}"), expand=False)
     rows = report.stats.get("checkpoints", [])
     why_width = number_width(printable(r["reason"]) for r in rows) or None
     for col in ("step", "checkpoint", "format", "size", "state", "why"):
         table.add_column(col, overflow="fold", no_wrap=col in ("step", "format", "size", "state"),
                          min_width=why_width if col == "why" else None)
     for row in rows:
-        table.add_row(Text("-" if row["step"] is None else str(row["step"])), Text(printable(row["path"])),
+        table.add_row(Text("-" if row["step"] is None else str(row["step"])), safe_text(row["path"]),
                       Text(row["format"]), Text(human_bytes(row["size"])),
                       Text(row["state"] + (" (quarantined, handled)" if row.get("handled_by") else
                                            " (quarantined)" if row.get("quarantined") else ""),
                            style="yellow" if row.get("handled_by") else style[row["state"]]),
-                      Text(printable(row["reason"])))
+                      safe_text(row["reason"]))
     console.print(table)
     newest = report.stats.get("newest_good")
     if newest:

@@ -17,7 +17,8 @@ from typing import Any
 
 from ckptverify.resume import causes
 from ckptverify.resume.causes import REPLAY, first_verdict, ranks_text
-from ckptverify.resume.compare import StepEvidence, rank_files, restore_findings, step_evidence
+from ckptverify.resume.compare import StepEvidence, restore_findings, step_evidence
+from ckptverify.resume.run import rank_files
 from ckptverify.resume.verdict import Verdict
 from ckptverify.trace.compare import RankComparison, rank_comparisons, sites_at
 

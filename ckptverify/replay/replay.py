@@ -11,8 +11,6 @@ the caller."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -244,11 +242,10 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     ``CkptVerifyError`` when the workload crashes."""
     from ckptverify.audit.diff import diff_checkpoints
     from ckptverify.replay.causes import judge
-    from ckptverify.resume.compare import rank_files
     from ckptverify.resume.harness_target import check_target
-    from ckptverify.resume.launch import launch_each
+    from ckptverify.resume.launch import launch_each, scratch
     from ckptverify.resume.locate.walk import for_replay
-    from ckptverify.resume.run import RunConfig, checkpoint_path
+    from ckptverify.resume.run import RunConfig, checkpoint_path, rank_files
     from ckptverify.resume.verdict import Verdict
     from ckptverify.trace.compare import compare_runs, comparison_findings, rank_comparisons
 
@@ -267,12 +264,12 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     stats: dict[str, Any] = {"from": ckpts.start, "to": ckpts.end, "world_size": world, "target": workload,
                              "recorded_target": meta["target"]}
 
-    work: str | None = None
     replayed_for = 0.0  # bounds the walk's launches
 
     def done(verdict: Verdict, host: str | None = None) -> Report:
         findings.extend(verdict.findings)
-        if locate and verdict.kind not in ("reproduced", "checkpoint-corrupt") and work is not None:
+        # A checkpoint-corrupt verdict comes before the runs' folder exists.
+        if locate and verdict.kind not in ("reproduced", "checkpoint-corrupt"):
             say(f"locate: walking down from the verdict {verdict.kind}")
             located = for_replay(verdict.kind, step=verdict.step, rank=verdict.rank, site=verdict.site,
                                  target=workload, start_path=ckpts.start_path, total_steps=total, world=world,
@@ -305,52 +302,46 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     steps = range(ckpts.start + 1, ckpts.end + 1)
     # For run.total_steps schedules: a replay stops early, they must not change.
     total = meta["steps"] if type(meta.get("steps")) is int and meta["steps"] >= ckpts.end else None
-    work = keep or tempfile.mkdtemp(prefix="ckptverify-replay-")
-    try:
-        configs = {}
-        for name in ("R1", "R2"):
-            configs[name] = RunConfig(
-                name=name, stop_step=ckpts.end, total_steps=total, save_at=(ckpts.end,),
-                checkpoint_dir=os.path.join(work, name),
-                resume_from=ckpts.start_path, trace_dir=os.path.join(work, f"trace-{name}"),
-                level=level, workload=meta["target"],
-                # Per-tensor cells, so a differing category is traced back to its tensor.
-                trace_every=int(meta.get("trace_every", 1)), trace_detail="tensor")
+    with scratch(keep, "ckptverify-replay-") as work:
+        try:
+            # Per-tensor cells, so a differing category is traced back to its tensor.
+            configs = {name: RunConfig(name=name, stop_step=ckpts.end, total_steps=total, save_at=(ckpts.end,),
+                                       checkpoint_dir=os.path.join(work, name), resume_from=ckpts.start_path,
+                                       trace_dir=os.path.join(work, f"trace-{name}"), level=level,
+                                       workload=meta["target"], trace_every=int(meta.get("trace_every", 1)),
+                                       trace_detail="tensor") for name in ("R1", "R2")}
 
-        # Fresh processes each: process-dependent nondeterminism (hash seeds, allocation order) must show.
-        replayed_for = launch_each(world, device, [
-            (f"replay {name}: steps {steps.start}..{steps.stop - 1} on {world} rank(s)", [(workload, configs[name])])
-            for name in ("R1", "R2")], say=say)
-        r1, r2 = configs["R1"].trace_dir, configs["R2"].trace_dir
-        assert r1 is not None and r2 is not None
-        twins = rank_comparisons(r1, r2, steps=steps)
-        twin = [f for f in comparison_findings(twins) if f.severity.value == "error"]
-        coverage.append(CheckCoverage(check="replay-twins", count=len(steps), unit="steps"))
-        if twin:
-            findings.extend(twin[:20])
-            return done(_twins_differ(twins))
-        say("compare production with the replay")
-        prod = [f for f in compare_runs(segment, r1, steps=steps) if f.severity.value == "error"]
-        coverage.append(CheckCoverage(check="replay-production", count=len(steps), unit="steps"))
-        if prod:
-            findings.extend(prod[:20])
-            judged = judge(segment, r1, start=ckpts.start, end=ckpts.end, world=world, production_start=seg_start,
-                           where=lambda r: _where(hosts.get(r)))
-            rank = judged.rank
-            return done(judged, host=hosts.get(rank, {}).get("hostname") if rank is not None else None)
-        say("compare the final state with the production checkpoint")
-        final = diff_checkpoints(ckpts.end_path, checkpoint_path(os.path.join(work, "R1"), ckpts.end))
-        coverage.extend(final.coverage)
-        if not final.passed:
-            findings.extend(final.errors[:20])
-            return done(_final_differs(final.errors[0], ckpts.end, world))
-        return done(Verdict("reproduced", f"production steps {steps.start}..{steps.stop - 1} are bitwise "
-                            f"reproducible on {world} rank(s): two replays agree with each other and with production, "
-                            "traces and final state: no fault seen."))
-    except TraceHeaderMismatchError as exc:
-        # Another rank's differing header (only rank 0's was checked up front), in this command's words.
-        raise UsageError(f"production's trace and the replay's describe different runs ({', '.join(exc.fields)} "
-                         f"differ{'s' if len(exc.fields) == 1 else ''}): no step can be compared bitwise") from None
-    finally:
-        if keep is None:
-            shutil.rmtree(work, ignore_errors=True)
+            # Fresh processes each: process-dependent nondeterminism (hash seeds, allocation order) must show.
+            replayed_for = launch_each(world, device, [
+                (f"replay {name}: steps {steps.start}..{steps.stop - 1} on {world} rank(s)",
+                 [(workload, configs[name])]) for name in ("R1", "R2")], say=say)
+            r1, r2 = configs["R1"].trace_dir, configs["R2"].trace_dir
+            assert r1 is not None and r2 is not None
+            twins = rank_comparisons(r1, r2, steps=steps)
+            twin = [f for f in comparison_findings(twins) if f.severity.value == "error"]
+            coverage.append(CheckCoverage(check="replay-twins", count=len(steps), unit="steps"))
+            if twin:
+                findings.extend(twin[:20])
+                return done(_twins_differ(twins))
+            say("compare production with the replay")
+            prod = [f for f in compare_runs(segment, r1, steps=steps) if f.severity.value == "error"]
+            coverage.append(CheckCoverage(check="replay-production", count=len(steps), unit="steps"))
+            if prod:
+                findings.extend(prod[:20])
+                judged = judge(segment, r1, start=ckpts.start, end=ckpts.end, world=world, production_start=seg_start,
+                               where=lambda r: _where(hosts.get(r)))
+                rank = judged.rank
+                return done(judged, host=hosts.get(rank, {}).get("hostname") if rank is not None else None)
+            say("compare the final state with the production checkpoint")
+            final = diff_checkpoints(ckpts.end_path, checkpoint_path(os.path.join(work, "R1"), ckpts.end))
+            coverage.extend(final.coverage)
+            if not final.passed:
+                findings.extend(final.errors[:20])
+                return done(_final_differs(final.errors[0], ckpts.end, world))
+            return done(Verdict("reproduced", f"production steps {steps.start}..{steps.stop - 1} are bitwise "
+                                f"reproducible on {world} rank(s): two replays agree with each other and with "
+                                "production, traces and final state: no fault seen."))
+        except TraceHeaderMismatchError as exc:
+            # Another rank's differing header (only rank 0's was checked up front), in this command's words.
+            raise UsageError(f"production's trace and the replay's describe different runs ({', '.join(exc.fields)} "
+                             f"differ{'s' if len(exc.fields) == 1 else ''}): no step can be compared bitwise") from None

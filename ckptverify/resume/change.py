@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,15 +50,11 @@ class ChangePlan:
     def __post_init__(self) -> None:
         split_target(self.base)
         split_target(self.changed)
-        if self.steps < 1:
-            raise UsageError(f"--steps must be at least 1, got {self.steps}")
-        if self.nproc < 1:
-            raise UsageError(f"--nproc must be at least 1, got {self.nproc}")
-        if self.repeats < 1:
-            raise UsageError(f"--repeats must be at least 1 (the control runs that measure variation), got "
-                             f"{self.repeats}")
-        if self.locate_repeats < 1:
-            raise UsageError(f"--locate-repeats must be at least 1, got {self.locate_repeats}")
+        for flag, value, what in (("--steps", self.steps, ""), ("--nproc", self.nproc, ""),
+                                  ("--repeats", self.repeats, " (the control runs that measure variation)"),
+                                  ("--locate-repeats", self.locate_repeats, "")):
+            if value < 1:
+                raise UsageError(f"{flag} must be at least 1{what}, got {value}")
         # metrics has no per-site state; op is the walk's own level.
         allowed = [x for x in LEVELS if x not in ("metrics", "op")]
         if self.level not in allowed:
@@ -123,13 +118,11 @@ def _cells(dirs: list[str], changed: str) -> list[_Cell]:
     from ckptverify.trace.compare import run_stores
     from ckptverify.trace.store import open_trace
 
-    stores = [run_stores(d) for d in dirs]
-    changed_stores = run_stores(changed)
+    *controls, changed_run = [{r: open_trace(p) for r, p in run_stores(d).items()} for d in (*dirs, changed)]
     out: list[_Cell] = []
-    for rank in stores[0]:
-        traces = [open_trace(s[rank]) if rank in s else None for s in stores]
-        tc = open_trace(changed_stores[rank]) if rank in changed_stores else None
-        first = traces[0]
+    for rank, first in controls[0].items():
+        traces = [c.get(rank) for c in controls]
+        tc = changed_run.get(rank)
         names = [s.name for s in first.sites]
         if tc is not None:
             names += [s.name for s in tc.sites if not first.has_site(s.name)]
@@ -148,15 +141,13 @@ def compare_change(plan: ChangePlan, *, keep: str | None = None, progress: Calla
                    ) -> Report:
     """Run ``plan`` and return its report; ``keep``: keep the runs' traces there. :class:`UsageError` for a target
     that cannot run, :class:`~ckptverify.errors.CkptVerifyError` when a workload raises."""
-    from ckptverify.resume.launch import launch_each
+    from ckptverify.resume.launch import launch_each, scratch
 
     for target in dict.fromkeys((plan.base, plan.changed)):
         check_target(target)
     say = progress or (lambda _msg: None)
     began = time.perf_counter()
-    work = os.path.abspath(keep) if keep else tempfile.mkdtemp(prefix="ckptverify-compare-")
-    os.makedirs(work, exist_ok=True)
-    try:
+    with scratch(keep, "ckptverify-compare-") as work:
         names = ["base", *(f"control-{i + 1}" for i in range(plan.repeats)), "changed"]
         configs: dict[str, RunConfig] = {}
         for name in names:
@@ -176,9 +167,6 @@ def compare_change(plan: ChangePlan, *, keep: str | None = None, progress: Calla
         report = _judge(plan, cells, work, say, timeout_s=10 * longest + 60)
         report.stats.update(seconds=round(time.perf_counter() - began, 3), workdir=work if keep else None)
         return report
-    finally:
-        if not keep:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 def _judge(plan: ChangePlan, cells: list[_Cell], work: str, say: Callable[[str], None], *,

@@ -4,19 +4,18 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.findings import Finding, Location, error, warning
-from ckptverify.resume.run import RunConfig, checkpoint_path
+from ckptverify.resume.run import RunConfig, checkpoint_path, rank_files
 
 if TYPE_CHECKING:
     from ckptverify.trace.compare import FirstDivergence, RankComparison
 
-__all__ = ["FOLD_ABOVE", "Evidence", "HeldComparison", "Indices", "SiteDiff", "StepEvidence", "compare", "rank_files",
+__all__ = ["FOLD_ABOVE", "Evidence", "HeldComparison", "Indices", "SiteDiff", "StepEvidence", "compare",
            "restore_findings", "step_evidence"]
 
 
@@ -349,18 +348,6 @@ def _idle_streams(comps: list[RankComparison], steps: range | None, differing: s
     return [s for s in candidates if s in idle]
 
 
-def rank_files(trace_dir: str | None, kind: str) -> dict[int, Any]:
-    """Each rank's ``<kind>-rank<r>.json`` beside a run's trace (``notes``, ``restore``, ``held``), in rank order;
-    ``{}`` without the folder."""
-    out: dict[int, Any] = {}
-    prefix = f"{kind}-rank"
-    for name in os.listdir(trace_dir) if trace_dir and os.path.isdir(trace_dir) else ():
-        if name.startswith(prefix) and name.endswith(".json") and name[len(prefix):-5].isdigit():
-            with open(os.path.join(trace_dir, name)) as f:  # type: ignore[arg-type]
-                out[int(name[len(prefix):-5])] = json.load(f)
-    return dict(sorted(out.items()))
-
-
 def restore_findings(trace_dir: str | None) -> list[Finding]:
     """A run's restore check, every rank in order: the restored fields that differ from the checkpoint."""
     return [Finding.from_dict(x) for data in rank_files(trace_dir, "restore").values()
@@ -368,8 +355,6 @@ def restore_findings(trace_dir: str | None) -> list[Finding]:
 
 
 def _tag(stage: str, findings: list[Finding]) -> list[Finding]:
-    out = []
-    for f in findings:
-        out.append(error(f.check, f"[{stage}] {f.message}", location=f.location or Location(),
-                         expected=f.expected, actual=f.actual) if f.severity.value == "error" else f)
-    return out
+    """``findings`` with each error's message prefixed ``[stage]``."""
+    return [error(f.check, f"[{stage}] {f.message}", location=f.location or Location(), expected=f.expected,
+                  actual=f.actual) if f.severity.value == "error" else f for f in findings]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -21,8 +20,8 @@ from ckptverify.errors import UsageError
 from ckptverify.findings import Report
 from ckptverify.resume.compare import Evidence, compare
 from ckptverify.resume.harness_target import check_target, split_target
-from ckptverify.resume.launch import launch_each, log_files
-from ckptverify.resume.locate.walk import DEFAULT_REPEATS, Walked, for_resume
+from ckptverify.resume.launch import launch_each, log_files, scratch
+from ckptverify.resume.locate.walk import DEFAULT_REPEATS, for_resume
 from ckptverify.resume.run import RunConfig, checkpoint_path
 from ckptverify.resume.verdict import Verdict, decide
 
@@ -105,12 +104,12 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
     for target in dict.fromkeys(p.target for p in plans):
         check_target(target)  # a usage error now, not after the first processes started
     say = progress or (lambda _msg: None)
-    workdir = os.path.abspath(keep) if keep else tempfile.mkdtemp(prefix="ckptverify-resume-")
-    if keep:
-        os.makedirs(workdir, exist_ok=True)
-    roots = [workdir] if len(plans) == 1 else [os.path.join(workdir, str(i)) for i in range(len(plans))]
-    configs = [_configs(plan, root) for plan, root in zip(plans, roots, strict=True)]
-    try:
+    with scratch(keep, "ckptverify-resume-") as workdir:
+        def each(root: str) -> list[str]:
+            return [root] if len(plans) == 1 else [os.path.join(root, str(i)) for i in range(len(plans))]
+
+        roots = each(workdir)
+        configs = [_configs(plan, root) for plan, root in zip(plans, roots, strict=True)]
         nproc, device = plans[0].nproc, plans[0].device
         jobs = {name: [(plan.target, c[name]) for plan, c in zip(plans, configs, strict=True) if name in c]
                 for name in ("A", "A2", "B")}
@@ -129,15 +128,10 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
         if jobs["B"]:
             launch_each(nproc, device, [(announce("B"), jobs["B"])], say=say)
         say("comparing")
-        pages = [None] * len(plans) if not report_dir else (
-            [os.path.abspath(report_dir)] if len(plans) == 1
-            else [os.path.join(os.path.abspath(report_dir), str(i)) for i in range(len(plans))])
+        pages = each(os.path.abspath(report_dir)) if report_dir else [None] * len(plans)
         return [_outcome(plan, c, root, keep=bool(keep), verbose=verbose, report_dir=page,
-                         figures=figures, progress=say, run_seconds=run_seconds)
+                         figures=figures, say=say, run_seconds=run_seconds)
                 for plan, c, root, page in zip(plans, configs, roots, pages, strict=True)]
-    finally:
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _configs(plan: Plan, root: str) -> dict[str, RunConfig]:
@@ -160,12 +154,16 @@ def _configs(plan: Plan, root: str) -> dict[str, RunConfig]:
 
 
 def _outcome(plan: Plan, configs: dict[str, RunConfig], root: str, *, keep: bool, verbose: bool,
-             report_dir: str | None, figures: FigureWriter | None,
-             progress: Callable[[str], None] | None = None, run_seconds: float = 0.0) -> Outcome:
+             report_dir: str | None, figures: FigureWriter | None, say: Callable[[str], None],
+             run_seconds: float) -> Outcome:
     findings, evidence = compare(configs, steps=plan.steps, resume_at=plan.resume_at, verbose=verbose)
     verdict = decide(plan, evidence)
     if plan.locate and not verdict.passed:
-        located = _locate(plan, verdict, evidence, configs, root, progress, run_seconds)
+        # The ladder below the verdict (ckptverify.resume.locate.walk). A walk launch runs at most A's steps: ten
+        # times A's time plus a minute is past any honest run.
+        say(f"locate: walking down from the verdict {verdict.kind}")
+        located = for_resume(plan, verdict, evidence, configs, os.path.join(root, "locate"), progress=say,
+                             timeout_s=10 * run_seconds + 60, run_seconds=run_seconds)
         verdict = dataclasses.replace(verdict, located=located)
         findings.extend(located.findings())
     findings.append(verdict.finding("resume-verdict"))
@@ -180,12 +178,3 @@ def _outcome(plan: Plan, configs: dict[str, RunConfig], root: str, *, keep: bool
     return Outcome(report=report, verdict=verdict, workdir=root, evidence=evidence,
                    runs={name: os.path.dirname(c.trace_dir or "") for name, c in configs.items()})
 
-
-def _locate(plan: Plan, verdict: Verdict, evidence: Evidence, configs: dict[str, RunConfig], root: str,
-            progress: Callable[[str], None] | None, run_seconds: float) -> Walked:
-    """Walk the ladder below ``verdict`` in ``<root>/locate`` (see :mod:`ckptverify.resume.locate.walk`)."""
-    say = progress or (lambda _msg: None)
-    say(f"locate: walking down from the verdict {verdict.kind}")
-    # A walk launch runs at most A's steps: ten times A's time plus a minute is past any honest run.
-    return for_resume(plan, verdict, evidence, configs, os.path.join(root, "locate"), progress=say,
-                      timeout_s=10 * run_seconds + 60, run_seconds=run_seconds)

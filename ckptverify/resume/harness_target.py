@@ -204,14 +204,13 @@ def _run_file(path: str, module_name: str, target: str) -> types.ModuleType:
 def _import(where: str, target: str) -> types.ModuleType:
     try:
         return importlib.import_module(where)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (where == exc.name or where.startswith(exc.name + ".")):
-            raise UsageError(f"no module named {exc.name!r} (from target {target}): run from the folder that "
-                             "holds the package, or install it, or give FILE.py:FUNC") from None
-        raise UsageError(f"{where} failed to import:\n{user_traceback(exc)}") from None
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
+        name = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+        if name is not None and (where == name or where.startswith(name + ".")):
+            raise UsageError(f"no module named {name!r} (from target {target}): run from the folder that holds the "
+                             "package, or install it, or give FILE.py:FUNC") from None
         raise UsageError(f"{where} failed to import:\n{user_traceback(exc)}") from None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -28,9 +29,9 @@ from ckptverify.resume.harness_target import (
     usage_text,
     user_traceback,
 )
-from ckptverify.resume.run import Run, RunConfig, _group_backend, harness_job
+from ckptverify.resume.run import Run, RunConfig, _group_backend, harness_job, rank_files
 
-__all__ = ["launch_each", "launch_jobs", "launches_at_once", "log_files", "start_method", "workload_logs"]
+__all__ = ["launch_each", "launch_jobs", "launches_at_once", "log_files", "scratch", "start_method", "workload_logs"]
 
 
 def _unused_port() -> int:
@@ -242,6 +243,19 @@ def workload_logs(log_dir: str) -> Iterator[str]:
         _log_dir = previous
 
 
+@contextlib.contextmanager
+def scratch(keep: str | None, prefix: str) -> Iterator[str]:
+    """The absolute folder a command's runs write in: ``keep`` (made if missing, left afterwards), else a fresh
+    temporary folder named ``prefix...`` removed when the block ends."""
+    work = os.path.abspath(keep) if keep else tempfile.mkdtemp(prefix=prefix)
+    os.makedirs(work, exist_ok=True)
+    try:
+        yield work
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def log_files() -> list[str] | None:
     """The per-rank log files written so far in the :func:`workload_logs` block this is called in, sorted; ``None``
     outside one, or when there are none."""
@@ -304,13 +318,9 @@ def _raise_failure(jobs: list[tuple[str, RunConfig]], exc: Exception) -> None:
     (identical ones shown once)."""
     found: dict[str, dict[str, dict[str, list[int]]]] = {}  # run -> kind -> text -> ranks
     for _, config in jobs:
-        d = config.trace_dir
-        for name in sorted(os.listdir(d)) if d and os.path.isdir(d) else []:
-            kind, _, rest = name.partition("-rank")
-            if kind in ("usage", "error") and rest.endswith(".txt") and rest[:-4].isdigit():
-                with open(os.path.join(d, name)) as f:
-                    text = f.read()
-                found.setdefault(config.name, {}).setdefault(kind, {}).setdefault(text, []).append(int(rest[:-4]))
+        for kind in ("usage", "error"):
+            for rank, text in rank_files(config.trace_dir, kind, ".txt").items():
+                found.setdefault(config.name, {}).setdefault(kind, {}).setdefault(text, []).append(rank)
     for kinds in found.values():
         if "usage" in kinds:
             raise UsageError(next(iter(kinds["usage"])))

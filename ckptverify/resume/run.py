@@ -18,12 +18,13 @@ import contextlib
 import itertools
 import json
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptverify.errors import UsageError
+from ckptverify.errors import ResumeRefusedError, UsageError
 from ckptverify.options import VerifyOptions, verify_options
 from ckptverify.ownfiles.names import own_folder, write_atomic
 from ckptverify.state.distributed import rank_world
@@ -72,6 +73,19 @@ def checkpoint_path(checkpoint_dir: str, step: int) -> str:
     return os.path.join(checkpoint_dir, f"step_{step}")
 
 
+def rank_files(trace_dir: str | None, kind: str, ext: str = ".json") -> dict[int, Any]:
+    """Each rank's ``<kind>-rank<r><ext>`` beside a run's trace (``notes``, ``restore``, ``held``; ``.txt``: the
+    ``usage``/``error`` text a failed rank left), JSON parsed, in rank order; ``{}`` without the folder."""
+    out: dict[int, Any] = {}
+    prefix = f"{kind}-rank"
+    for name in os.listdir(trace_dir) if trace_dir and os.path.isdir(trace_dir) else ():
+        rank = name[len(prefix):-len(ext)]
+        if name.startswith(prefix) and name.endswith(ext) and rank.isdigit():
+            with open(os.path.join(trace_dir, name)) as f:  # type: ignore[arg-type]
+                out[int(rank)] = json.load(f) if ext == ".json" else f.read()
+    return dict(sorted(out.items()))
+
+
 @dataclass
 class _Progress:
     step: int = 0
@@ -84,7 +98,7 @@ _harness_config: RunConfig | None = None
 
 @contextlib.contextmanager
 def harness_job(config: RunConfig) -> Iterator[None]:
-    """Within the block, ``Run.main``/``Run.from_env`` give the harness job ``config``. A process argument, not an
+    """Within the block, ``Run.main`` runs the harness job ``config``. A process argument, not an
     environment variable, so a process the training function starts does not inherit it."""
     global _harness_config
     previous, _harness_config = _harness_config, config
@@ -113,14 +127,6 @@ class Run:
         self._notes: dict[str, Any] = {}
 
     @classmethod
-    def from_env(cls, *, steps: int | None = None) -> Run:
-        """The harness's run when this process runs one of its jobs (:func:`harness_job`), else a plain run of
-        ``steps`` steps."""
-        if _harness_config is not None:
-            return cls(_harness_config)
-        return cls(RunConfig(stop_step=steps))
-
-    @classmethod
     def main(cls, train: Callable[[Run], None], *, steps: int | None = None, run_dir: str | None = None,
              save_every: int | None = None, trace: str = "metrics", trace_every: int = 1,
              on_replica_mismatch: str = "warn", fault: str | None = None,
@@ -137,9 +143,8 @@ class Run:
         raises ``SystemExit(2)`` before ``train`` runs, having changed nothing."""
         verifying = verify_options("Run.main", verify)
         if _harness_config is not None or run_dir is None:
-            run = cls.from_env(steps=steps)
+            run = cls(_harness_config or RunConfig(stop_step=steps))
         else:
-            from ckptverify.errors import ResumeRefusedError
             from ckptverify.production.mode import ProductionOptions, target_of
 
             if steps is None:
@@ -223,8 +228,6 @@ class Run:
 
             notes["loader"] = {"type": type(state.dataloader).__name__, "iterable": isinstance(
                 getattr(state.dataloader, "dataset", None), IterableDataset)}
-        import sys
-
         from ckptverify.resume.unregistered import registered_bindings
 
         caller = sys._getframe(1)
@@ -247,8 +250,6 @@ class Run:
                     warnings.filterwarnings("ignore", message="the restore check of ", category=UserWarning)
                     report = load(state, self.config.resume_from, on_restore_mismatch="warn")
             else:
-                from ckptverify.errors import ResumeRefusedError
-
                 try:
                     # Never trains on damaged state: a failing pick is moved aside and an older one loaded.
                     report, picked = self._production.restore(state, self._picked)
@@ -262,7 +263,7 @@ class Run:
             notes["restored"] = _start_values(state)
         self._p.step = state.counters.step
         self._notes = notes
-        self._write_json(f"notes-rank{self._rank}.json", notes)
+        self._write_json(f"notes-rank{self._rank}.json", self._notes)
         if self._production is not None:
             # Before the trace hooks: a planted fault must precede the trace's view, as a real one would.
             self._production.began(state, self._p.restored_from)
@@ -382,8 +383,6 @@ class Run:
     def _check_replaced(self) -> None:
         """After the first step: warn about, and note for the harness, registered objects rebuilt after
         ``run.restore`` (the loop steps the new one; checkpoints hold the old one)."""
-        import warnings
-
         from ckptverify.errors import CkptVerifyWarning
         from ckptverify.resume.unregistered import replaced_objects
 

@@ -151,12 +151,18 @@ def find_unregistered(local_vars: Mapping[str, Any], state: Any) -> list[Unregis
             for attr, value in _container_attrs(obj).items():
                 visit(f"{name}.{attr}", value)
     # Plain attributes of the model's modules (a layer's noise generator, an EMA kept as an attribute).
-    if state.model is not None:
-        for mod_name, module in state.model.named_modules():
-            for attr, value in vars(module).items():
-                if not attr.startswith("_") and not isinstance(value, bool | int | float | str):
-                    visit(".".join(p for p in ("model", mod_name, attr) if p), value)
+    for path, value in _module_attrs(state.model, "model"):
+        if not isinstance(value, bool | int | float | str):
+            visit(path, value)
     return out
+
+
+def _module_attrs(model: Any, prefix: str) -> list[tuple[str, Any]]:
+    """``(prefix.<module>.<attribute>, value)`` of each public plain attribute of ``model``'s modules (none for
+    ``None``)."""
+    return [] if model is None else [(".".join(p for p in (prefix, mod_name, attr) if p), value)
+                                     for mod_name, module in model.named_modules()
+                                     for attr, value in vars(module).items() if not attr.startswith("_")]
 
 
 def registered_bindings(local_vars: Mapping[str, Any], state: Any) -> dict[str, tuple[int, str, str]]:
@@ -340,10 +346,8 @@ def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
         if kind == "module":
             for name, t in [*obj.named_parameters(), *obj.named_buffers()]:
                 tensor(f"{path}.{name}", var, t)
-            for mod_name, module in obj.named_modules():
-                for attr, value in vars(module).items():
-                    if not attr.startswith("_") and depth < HELD_DEPTH:
-                        visit(".".join(p for p in (path, mod_name, attr) if p), var, value, depth + 1)
+            for attr_path, value in _module_attrs(obj, path) if depth < HELD_DEPTH else ():
+                visit(attr_path, var, value, depth + 1)
         elif kind in ("optimizer", "LR scheduler", "gradient scaler"):
             try:
                 sd = obj.state_dict()
@@ -362,12 +366,9 @@ def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
             continue
         visit(name, name, obj, 0)
     # A checkpoint holds the model's parameters and buffers, not its modules' plain attributes.
-    if state.model is not None:
-        for mod_name, module in state.model.named_modules():
-            for attr, value in vars(module).items():
-                if not attr.startswith("_") and not isinstance(value, torch.nn.Module):
-                    path = ".".join(p for p in ("model", mod_name, attr) if p)
-                    visit(path, path, value, 1)  # named by the attribute: "model" alone would name nothing
+    for path, value in _module_attrs(state.model, "model"):
+        if not isinstance(value, torch.nn.Module):
+            visit(path, path, value, 1)  # named by the attribute: "model" alone would name nothing
     return {"entries": entries, "truncated": truncated, "skipped": skipped}
 
 

@@ -28,16 +28,8 @@ from ckptverify.errors import UsageError
 from ckptverify.fingerprint.spec import LANES, MASK64, mix
 from ckptverify.state.sampler import Drawn, ResumableSampler, _is_stateful_dataloader
 
-__all__ = [
-    "KIND_RESUMABLE_SAMPLER",
-    "KIND_STATEFUL_DATALOADER",
-    "WorkerSeeding",
-    "batch_seed",
-    "check_loader",
-    "find_resumable_sampler",
-    "loader_state",
-    "restore_loader",
-]
+__all__ = ["KIND_RESUMABLE_SAMPLER", "KIND_STATEFUL_DATALOADER", "WorkerSeeding", "batch_seed", "check_loader",
+           "find_resumable_sampler", "loader_state", "restore_loader"]
 
 KIND_STATEFUL_DATALOADER = "torchdata.StatefulDataLoader"
 KIND_RESUMABLE_SAMPLER = "ckptverify.ResumableSampler"
@@ -66,12 +58,9 @@ def _refusal(loader: Any) -> str:
 
 def find_resumable_sampler(loader: Any) -> ResumableSampler | None:
     """The :class:`ResumableSampler` driving ``loader`` (its ``sampler`` or ``batch_sampler.sampler``), if any."""
-    sampler = getattr(loader, "sampler", None)
-    if isinstance(sampler, ResumableSampler):
-        return sampler
-    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-    if isinstance(inner, ResumableSampler):
-        return inner
+    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if isinstance(sampler, ResumableSampler):
+            return sampler
     return None
 
 
@@ -186,20 +175,17 @@ def loader_state(loader: Any) -> dict[str, Any]:
     if _is_stateful_dataloader(loader):
         sampler = find_resumable_sampler(loader)
         if sampler is not None and sampler.tracking:
-            raise UsageError(
-                "the StatefulDataLoader's ResumableSampler was tracked; a StatefulDataLoader accounts for "
-                "prefetching itself, so iterate it directly instead of through sampler.track()"
-            )
+            raise UsageError("the StatefulDataLoader's ResumableSampler was tracked; a StatefulDataLoader accounts for "
+                             "prefetching itself, so iterate it directly instead of through sampler.track()")
         return {"kind": KIND_STATEFUL_DATALOADER, "state": loader.state_dict()}
     sampler = find_resumable_sampler(loader)
     if sampler is not None:
         workers = getattr(loader, "num_workers", 0) or 0
         if workers > 0 and not sampler.tracking and sampler.drawn_this_pass > 0:
-            raise UsageError(
-                f"the DataLoader has {workers} worker(s) and draws indices ahead of the training loop, but the "
-                "loop did not report consumption: iterate with `for batch in sampler.track(loader)` (or call "
-                "sampler.advance(n) after each batch) so the saved position counts consumed samples"
-            )
+            raise UsageError(f"the DataLoader has {workers} worker(s) and draws indices ahead of the training loop, "
+                             "but the loop did not report consumption: iterate with `for batch in "
+                             "sampler.track(loader)` (or call sampler.advance(n) after each batch) so the saved "
+                             "position counts consumed samples")
         return {"kind": KIND_RESUMABLE_SAMPLER, "state": sampler.state_dict()}
     raise UsageError(f"cannot save the position of a {_describe(loader)}: {_refusal(loader)}")
 

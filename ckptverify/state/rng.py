@@ -27,18 +27,8 @@ from ckptverify.errors import UsageError
 from ckptverify.state.digest import state_digest
 from ckptverify.state.distributed import rank_world
 
-__all__ = [
-    "RNG_STATE_VERSION",
-    "RngState",
-    "capture_rng",
-    "cuda_in_use",
-    "derive_seed",
-    "device_identity",
-    "rank_key",
-    "reseed_rng",
-    "restore_rng",
-    "rng_fingerprints",
-]
+__all__ = ["RNG_STATE_VERSION", "RngState", "capture_rng", "cuda_in_use", "derive_seed", "device_identity", "rank_key",
+           "reseed_rng", "restore_rng", "rng_fingerprints"]
 
 #: Version of the :class:`RngState` state dict layout.
 RNG_STATE_VERSION = 1
@@ -63,28 +53,18 @@ def rank_key(rank: int) -> str:
 
 def _python_state() -> dict[str, Any]:
     version, internal, gauss_next = random.getstate()
-    return {
-        "version": int(version),
-        "state": torch.tensor(internal, dtype=torch.int64),
-        "gauss_next": 0.0 if gauss_next is None else float(gauss_next),
-        "has_gauss_next": gauss_next is not None,
-    }
+    return {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": 0.0 if gauss_next is None else float(gauss_next), "has_gauss_next": gauss_next is not None}
 
 
 def _numpy_state() -> dict[str, Any]:
     st = np.random.get_state()
     if not isinstance(st, tuple):
-        raise UsageError(
-            f"numpy's global generator uses {st.get('bit_generator')!r}; only the legacy MT19937 state is supported"
-        )
+        raise UsageError(f"numpy's global generator uses {st.get('bit_generator')!r}; only the legacy MT19937 "
+                         "state is supported")
     name, keys, pos, has_gauss, cached = st
-    return {
-        "bit_generator": str(name),
-        "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
-        "pos": int(pos),
-        "has_gauss": int(has_gauss),
-        "cached_gaussian": float(cached),
-    }
+    return {"bit_generator": str(name), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
+            "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
 
 
 def _check_generators(generators: Mapping[str, torch.Generator] | None) -> dict[str, torch.Generator]:
@@ -120,11 +100,8 @@ def capture_rng(generators: Mapping[str, torch.Generator] | None = None) -> dict
     """Every random stream's current state (layout: module docstring), plus ``generators`` as ``gen.{name}``. Tensors
     are copies. CUDA is read only if :func:`cuda_in_use`, and only the current device."""
     gens = _check_generators(generators)
-    state: dict[str, Any] = {
-        _PYTHON: _python_state(),
-        _NUMPY: _numpy_state(),
-        _TORCH_CPU: torch.get_rng_state().clone(),
-    }
+    state: dict[str, Any] = {_PYTHON: _python_state(), _NUMPY: _numpy_state(),
+                             _TORCH_CPU: torch.get_rng_state().clone()}
     if cuda_in_use():
         index = torch.cuda.current_device()
         state[_CUDA] = torch.cuda.get_rng_state(index).clone()
@@ -137,16 +114,15 @@ def capture_rng(generators: Mapping[str, torch.Generator] | None = None) -> dict
 # ------------------------------------------------------------------------------------------- restore
 
 
-def _byte_state(value: Any, kind: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
-        raise UsageError(f"RNG state {kind!r} must be a 1-D uint8 tensor, got {_describe(value)}")
+def _vector(value: Any, kind: str, like: torch.Tensor | None = None) -> torch.Tensor:
+    """``value`` on the CPU, refused unless a 1-D tensor (with ``like``: a uint8 byte state as long as ``like``)."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or (like is not None and value.dtype != torch.uint8):
+        got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+               else f"a {type(value).__name__}")
+        raise UsageError(f"RNG state {kind!r} must be a 1-D {'' if like is None else 'uint8 '}tensor, got {got}")
+    if like is not None and value.numel() != like.numel():
+        raise UsageError(f"RNG state {kind!r} has {value.numel()} bytes, torch expects {like.numel()}")
     return value.detach().cpu().contiguous()
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
 
 
 def _field(state: Mapping[str, Any], kind: str, name: str) -> Any:
@@ -156,9 +132,7 @@ def _field(state: Mapping[str, Any], kind: str, name: str) -> Any:
 
 
 def _restore_python(st: Mapping[str, Any]) -> None:
-    internal = _field(st, _PYTHON, "state")
-    if not isinstance(internal, torch.Tensor) or internal.dim() != 1:
-        raise UsageError(f"RNG state 'python.state' must be a 1-D tensor, got {_describe(internal)}")
+    internal = _vector(_field(st, _PYTHON, "state"), "python.state")
     gauss = None
     if bool(_field(st, _PYTHON, "has_gauss_next")):
         gauss = float(_field(st, _PYTHON, "gauss_next"))
@@ -169,22 +143,13 @@ def _restore_python(st: Mapping[str, Any]) -> None:
 
 
 def _restore_numpy(st: Mapping[str, Any]) -> None:
-    keys = _field(st, _NUMPY, "keys")
-    if not isinstance(keys, torch.Tensor) or keys.dim() != 1:
-        raise UsageError(f"RNG state 'numpy.keys' must be a 1-D tensor, got {_describe(keys)}")
-    arr = keys.detach().cpu().numpy()
+    arr = _vector(_field(st, _NUMPY, "keys"), "numpy.keys").numpy()
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise UsageError("RNG state 'numpy.keys' holds values outside uint32")
     try:
-        np.random.set_state(
-            (
-                str(_field(st, _NUMPY, "bit_generator")),
-                arr.astype(np.uint32),
-                int(_field(st, _NUMPY, "pos")),
-                int(_field(st, _NUMPY, "has_gauss")),
-                float(_field(st, _NUMPY, "cached_gaussian")),
-            )
-        )
+        np.random.set_state((str(_field(st, _NUMPY, "bit_generator")), arr.astype(np.uint32),
+                             int(_field(st, _NUMPY, "pos")), int(_field(st, _NUMPY, "has_gauss")),
+                             float(_field(st, _NUMPY, "cached_gaussian"))))
     except (TypeError, ValueError) as exc:
         raise UsageError(f"RNG state 'numpy' is not a valid numpy MT19937 state: {exc}") from exc
 
@@ -204,12 +169,8 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
         raise UsageError(f"RNG state must be a mapping, got {type(state).__name__}")
     gens = _check_generators(generators)
 
-    unknown = [
-        k
-        for k in state
-        if k not in (_PYTHON, _NUMPY, _TORCH_CPU, _CUDA, _CUDA_DEVICE)
-        and not str(k).startswith(_GEN_PREFIX)
-    ]
+    unknown = [k for k in state if k not in (_PYTHON, _NUMPY, _TORCH_CPU, _CUDA, _CUDA_DEVICE)
+               and not str(k).startswith(_GEN_PREFIX)]
     if unknown:
         raise UsageError(f"unknown RNG state kinds: {sorted(map(str, unknown))}")
     missing = [k for k in (_PYTHON, _NUMPY, _TORCH_CPU) if k not in state]
@@ -218,39 +179,25 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
 
     saved_gens = {k[len(_GEN_PREFIX) :] for k in state if k.startswith(_GEN_PREFIX)}
     if saved_gens != set(gens):
-        raise UsageError(
-            f"RNG state holds generators {sorted(saved_gens)} but {sorted(gens)} were given to restore into"
-        )
+        raise UsageError(f"RNG state holds generators {sorted(saved_gens)} but {sorted(gens)} were given to restore "
+                         "into")
     cuda_index = _cuda_index_to_restore(state)
 
     # Validate everything that can be validated before changing any stream.
-    cpu = _byte_state(state[_TORCH_CPU], _TORCH_CPU)
-    if cpu.numel() != torch.get_rng_state().numel():
-        raise UsageError(
-            f"RNG state 'torch_cpu' has {cpu.numel()} bytes, torch expects {torch.get_rng_state().numel()}"
-        )
-    cuda = None if cuda_index is None else _byte_state(state[_CUDA], _CUDA)
-    if cuda is not None and cuda_index is not None:
-        expected = torch.cuda.get_rng_state(cuda_index).numel()
-        if cuda.numel() != expected:
-            raise UsageError(f"RNG state {_CUDA!r} has {cuda.numel()} bytes, torch expects {expected}")
+    cpu = _vector(state[_TORCH_CPU], _TORCH_CPU, torch.get_rng_state())
+    cuda = None if cuda_index is None else _vector(state[_CUDA], _CUDA, torch.cuda.get_rng_state(cuda_index))
     gen_states: dict[str, torch.Tensor] = {}
     for name, gen in gens.items():
         kind = f"{_GEN_PREFIX}{name}"
         device = str(_field(state[kind], kind, "device"))
         if torch.device(device).type != gen.device.type:
             raise UsageError(f"generator {name!r} was captured on {device} but the given one is on {gen.device}")
-        gen_states[name] = _byte_state(_field(state[kind], kind, "state"), kind)
-        if gen_states[name].numel() != gen.get_state().numel():
-            raise UsageError(
-                f"RNG state {kind!r} has {gen_states[name].numel()} bytes, the generator expects "
-                f"{gen.get_state().numel()}"
-            )
+        gen_states[name] = _vector(_field(state[kind], kind, "state"), kind, gen.get_state())
 
     _restore_python(state[_PYTHON])
     _restore_numpy(state[_NUMPY])
     _set_state(torch.set_rng_state, cpu, _TORCH_CPU)
-    if cuda is not None and cuda_index is not None:
+    if cuda is not None:
         _set_state(lambda s: torch.cuda.set_rng_state(s, device=cuda_index), cuda, _CUDA)
     for name, t in gen_states.items():
         _set_state(gens[name].set_state, t, f"{_GEN_PREFIX}{name}")
@@ -317,15 +264,8 @@ class RngState:
     ``allow_partial_load=True``; the world-size check still runs. ``rank``/``world_size`` default to the process group.
     """
 
-    def __init__(
-        self,
-        generators: Mapping[str, torch.Generator] | None = None,
-        *,
-        rank: int | None = None,
-        world_size: int | None = None,
-        allow_reseed: bool = False,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, generators: Mapping[str, torch.Generator] | None = None, *, rank: int | None = None,
+                 world_size: int | None = None, allow_reseed: bool = False, seed: int = 0) -> None:
         default_rank, default_world = rank_world()
         self.rank = default_rank if rank is None else rank
         self.world_size = default_world if world_size is None else world_size
@@ -343,11 +283,8 @@ class RngState:
         self.restored_fingerprints: dict[str, str] = {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": RNG_STATE_VERSION,
-            "world_size": self.world_size,
-            rank_key(self.rank): capture_rng(self.generators),
-        }
+        return {"version": RNG_STATE_VERSION, "world_size": self.world_size,
+                rank_key(self.rank): capture_rng(self.generators)}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if not isinstance(state_dict, Mapping):
@@ -360,18 +297,15 @@ class RngState:
             raise UsageError(f"RNG state dict has no valid world_size (got {saved_world!r})")
         if saved_world != self.world_size:
             if not self.allow_reseed:
-                raise UsageError(
-                    f"RNG state was saved by {saved_world} rank(s) but this job has {self.world_size}; per-rank "
-                    "random streams cannot be carried over exactly. Pass allow_reseed=True to re-seed from a seed "
-                    "and the rank (the resumed run will then not be bitwise identical to an uninterrupted one)."
-                )
+                raise UsageError(f"RNG state was saved by {saved_world} rank(s) but this job has {self.world_size}; "
+                                 "per-rank random streams cannot be carried over exactly. Pass allow_reseed=True to "
+                                 "re-seed from a seed and the rank (the resumed run will then not be bitwise "
+                                 "identical to an uninterrupted one).")
             reseed_rng(self.seed, self.rank, self.generators)
             self.restored_fingerprints = {}
-            self.warnings.append(
-                f"world size changed from {saved_world} to {self.world_size}: RNG streams of rank {self.rank} were "
-                f"re-seeded from seed {self.seed} and the rank, not restored; the resumed run is not bitwise "
-                "identical to an uninterrupted one"
-            )
+            self.warnings.append(f"world size changed from {saved_world} to {self.world_size}: RNG streams of rank "
+                                 f"{self.rank} were re-seeded from seed {self.seed} and the rank, not restored; the "
+                                 "resumed run is not bitwise identical to an uninterrupted one")
             return
         key = rank_key(self.rank)
         if key not in state_dict:

@@ -27,13 +27,7 @@ from torch.utils.data import Sampler
 from ckptverify.errors import UsageError
 from ckptverify.state.distributed import rank_world
 
-__all__ = [
-    "SAMPLER_STATE_VERSION",
-    "Drawn",
-    "ResumableSampler",
-    "epoch_indices",
-    "num_samples_per_replica",
-]
+__all__ = ["SAMPLER_STATE_VERSION", "Drawn", "ResumableSampler", "epoch_indices", "num_samples_per_replica"]
 
 #: Version of the :meth:`ResumableSampler.state_dict` layout.
 SAMPLER_STATE_VERSION = 1
@@ -77,9 +71,8 @@ def num_samples_per_replica(dataset_len: int, num_replicas: int, drop_last: bool
     return math.ceil(dataset_len / num_replicas)
 
 
-def epoch_indices(
-    dataset_len: int, num_replicas: int, rank: int, *, epoch: int, shuffle: bool, seed: int, drop_last: bool
-) -> list[int]:
+def epoch_indices(dataset_len: int, num_replicas: int, rank: int, *, epoch: int, shuffle: bool, seed: int,
+                  drop_last: bool) -> list[int]:
     """One rank's indices for one epoch, as ``DistributedSampler`` computes them."""
     num_samples = num_samples_per_replica(dataset_len, num_replicas, drop_last)
     total_size = num_samples * num_replicas
@@ -111,17 +104,8 @@ class ResumableSampler(Sampler[int]):
     """``DistributedSampler``'s index order with a saved and restored position (see the module docstring).
     ``num_replicas`` and ``rank`` default to the process group, else 1 and 0."""
 
-    def __init__(
-        self,
-        dataset_len: int,
-        *,
-        num_replicas: int | None = None,
-        rank: int | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-        reseed_workers: bool = True,
-    ) -> None:
+    def __init__(self, dataset_len: int, *, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, reseed_workers: bool = True) -> None:
         default_rank, default_replicas = rank_world()
         self.dataset_len = _int(dataset_len, "dataset_len")
         self.num_replicas = _int(default_replicas if num_replicas is None else num_replicas, "num_replicas", minimum=1)
@@ -189,10 +173,8 @@ class ResumableSampler(Sampler[int]):
         """Report that the training loop consumed ``n`` more samples of this rank's current epoch."""
         n = _int(n, "n")
         if self._consumed + n > self._drawn:
-            raise UsageError(
-                f"advance({n}) would count {self._consumed + n} samples consumed in epoch {self.epoch}, but only "
-                f"{self._drawn} were drawn from the sampler; consumption is being counted twice"
-            )
+            raise UsageError(f"advance({n}) would count {self._consumed + n} samples consumed in epoch {self.epoch}, "
+                             f"but only {self._drawn} were drawn from the sampler; consumption is being counted twice")
         self._tracking = True
         self._consumed += n
 
@@ -200,16 +182,12 @@ class ResumableSampler(Sampler[int]):
         """Iterate ``batches`` (a loader over this sampler), counting each batch as consumed when handed out, as
         ``min(batch_size, samples left)``. ``batch_size`` defaults to ``batches.batch_size``."""
         if _is_stateful_dataloader(batches):
-            raise UsageError(
-                "do not track a StatefulDataLoader: it snapshots the sampler when it dispatches each batch and "
-                "already accounts for prefetching; iterate it directly"
-            )
+            raise UsageError("do not track a StatefulDataLoader: it snapshots the sampler when it dispatches each "
+                             "batch and already accounts for prefetching; iterate it directly")
         size = getattr(batches, "batch_size", None) if batch_size is None else batch_size
         if size is None:
-            raise UsageError(
-                "track() needs the batch size: pass batch_size= (the loader has no batch_size attribute or uses "
-                "a custom batch_sampler)"
-            )
+            raise UsageError("track() needs the batch size: pass batch_size= (the loader has no batch_size attribute "
+                             "or uses a custom batch_sampler)")
         size = _int(size, "batch_size", minimum=1)
         self._tracking = True
         return self._track(batches, size)
@@ -292,18 +270,10 @@ class ResumableSampler(Sampler[int]):
     # ------------------------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": SAMPLER_STATE_VERSION,
-            "epoch": self.epoch,
-            "position": self.position,
-            "seed": self.seed,
-            "num_replicas": self.num_replicas,
-            "rank": self.rank,
-            "dataset_len": self.dataset_len,
-            "shuffle": self.shuffle,
-            "drop_last": self.drop_last,
-            _WORKER_SEED: self._worker_seed if self._tag else None,
-        }
+        return {"version": SAMPLER_STATE_VERSION, "epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "num_replicas": self.num_replicas, "rank": self.rank, "dataset_len": self.dataset_len,
+                "shuffle": self.shuffle, "drop_last": self.drop_last,
+                _WORKER_SEED: self._worker_seed if self._tag else None}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume at the saved epoch and position. Length, ``shuffle``, ``seed`` and ``drop_last`` must match; same
@@ -315,19 +285,13 @@ class ResumableSampler(Sampler[int]):
         if missing:
             raise UsageError(f"sampler state lacks {missing}")
         if state_dict["version"] != SAMPLER_STATE_VERSION:
-            raise UsageError(
-                f"sampler state version {state_dict['version']!r} is not supported (expected {SAMPLER_STATE_VERSION})"
-            )
-        for name in ("dataset_len", "seed"):
-            saved = _int(state_dict[name], f"saved {name}")
-            if saved != getattr(self, name):
-                raise UsageError(f"sampler state was saved with {name}={saved}, this sampler has {getattr(self, name)}")
-        for name in ("shuffle", "drop_last"):
-            saved_flag = bool(state_dict[name])
-            if saved_flag != getattr(self, name):
-                raise UsageError(
-                    f"sampler state was saved with {name}={saved_flag}, this sampler has {getattr(self, name)}"
-                )
+            raise UsageError(f"sampler state version {state_dict['version']!r} is not supported (expected "
+                             f"{SAMPLER_STATE_VERSION})")
+        for name in ("dataset_len", "seed", "shuffle", "drop_last"):
+            value = getattr(self, name)
+            saved = bool(state_dict[name]) if isinstance(value, bool) else _int(state_dict[name], f"saved {name}")
+            if saved != value:
+                raise UsageError(f"sampler state was saved with {name}={saved}, this sampler has {value}")
         epoch = _int(state_dict["epoch"], "saved epoch")
         old_replicas = _int(state_dict["num_replicas"], "saved num_replicas", minimum=1)
         old_rank = _int(state_dict["rank"], "saved rank")
@@ -337,10 +301,8 @@ class ResumableSampler(Sampler[int]):
             worker_seed = _int(worker_seed, "saved worker_seed")
         old_num_samples = num_samples_per_replica(self.dataset_len, old_replicas, self.drop_last)
         if position > old_num_samples or old_rank >= old_replicas:
-            raise UsageError(
-                f"sampler state is inconsistent: position {position} of {old_num_samples} samples per rank, "
-                f"rank {old_rank} of {old_replicas}"
-            )
+            raise UsageError(f"sampler state is inconsistent: position {position} of {old_num_samples} samples per "
+                             f"rank, rank {old_rank} of {old_replicas}")
         if old_replicas == self.num_replicas:
             if old_rank != self.rank:
                 raise UsageError(f"sampler state belongs to rank {old_rank}, this sampler is rank {self.rank}")
@@ -359,23 +321,13 @@ class ResumableSampler(Sampler[int]):
             return self.num_samples  # the epoch was finished
         consumed = position * old_replicas
         if consumed % new_replicas != 0:
-            raise UsageError(
-                f"cannot reshard the sampler from {old_replicas} to {new_replicas} replicas: each rank consumed "
-                f"{position} samples, {consumed} globally, which is not divisible by {new_replicas}; resuming would "
-                f"skip or repeat samples. Resume on {old_replicas} replicas, or checkpoint at a global sample count "
-                f"divisible by {new_replicas}."
-            )
+            raise UsageError(f"cannot reshard the sampler from {old_replicas} to {new_replicas} replicas: each rank "
+                             f"consumed {position} samples, {consumed} globally, which is not divisible by "
+                             f"{new_replicas}; resuming would skip or repeat samples. Resume on {old_replicas} "
+                             f"replicas, or checkpoint at a global sample count divisible by {new_replicas}.")
         old_total = old_num_samples * old_replicas
         if self.drop_last and old_total != self.total_size:
-            raise UsageError(
-                f"cannot reshard the sampler from {old_replicas} to {new_replicas} replicas with drop_last=True: the "
-                f"epoch would end after {self.total_size} samples instead of {old_total}, so samples would be "
-                "skipped or added"
-            )
-        new_position = consumed // new_replicas
-        if new_position > self.num_samples:  # pragma: no cover - excluded by the arithmetic above
-            raise UsageError(
-                f"cannot reshard the sampler: {consumed} samples consumed exceed the {self.total_size} samples of an "
-                f"epoch on {new_replicas} replicas"
-            )
-        return new_position
+            raise UsageError(f"cannot reshard the sampler from {old_replicas} to {new_replicas} replicas with "
+                             f"drop_last=True: the epoch would end after {self.total_size} samples instead of "
+                             f"{old_total}, so samples would be skipped or added")
+        return consumed // new_replicas
