@@ -364,39 +364,39 @@ def _bit_hint(label: str, rec: Record, bit: tuple[int, int], loc: Location) -> F
 
 def _tensor_consistency(item: Item, archive: Archive, header: TensorHeader) -> list[Finding]:
     """A tensor record against the metadata (dtype, shape) and its storage record (:func:`storage_findings`)."""
-    assert item.chunk is not None and item.dtype is not None
     record = f"{archive.prefix}/data.pkl"
-    stored = storage_findings(archive, header.storage_key, [header],
-                              lambda: (item_label(item), item_location(item, record=record)))
-    if header.dtype == item.dtype and header.size == item.chunk.sizes and not stored:
-        return []
-    out: list[Finding] = []
-    loc = item_location(item, record=record)
-    if header.dtype != item.dtype:
-        out.append(error("tensor-record", f"{item_label(item)} holds {header.dtype} values but the metadata says "
-                         f"{item.dtype}", location=loc, expected=item.dtype, actual=header.dtype))
-    if header.size != item.chunk.sizes:
-        out.append(error("tensor-record", f"{item_label(item)} holds a tensor of shape {list(header.size)} but the "
-                         f"metadata says {list(item.chunk.sizes)}", location=loc,
-                         expected=list(item.chunk.sizes), actual=list(header.size)))
-    return out + stored
+    out = _metadata_mismatch(item, header, record, f"{header.dtype} values", "a tensor")
+    return out + storage_findings(archive, header.storage_key, [header],
+                                  lambda: (item_label(item), item_location(item, record=record)))
 
 
 def _subclass_consistency(item: Item, archive: Archive, header: SubclassHeader) -> list[Finding]:
     """A subclass record against the metadata (outer dtype, shape) and each inner header against its storage record."""
-    assert item.chunk is not None and item.dtype is not None
-    out: list[Finding] = []
-    loc = item_location(item, record=f"{archive.prefix}/data.pkl")
-    if header.dtype != item.dtype:
-        out.append(error("tensor-record", f"{item_label(item)} holds a {header.short_name} of {header.dtype} but "
-                         f"the metadata says {item.dtype}", location=loc, expected=item.dtype, actual=header.dtype))
-    if header.size != item.chunk.sizes:
-        out.append(error("tensor-record", f"{item_label(item)} holds a {header.short_name} of shape "
-                         f"{list(header.size)} but the metadata says {list(item.chunk.sizes)}", location=loc,
-                         expected=list(item.chunk.sizes), actual=list(header.size)))
+    record = f"{archive.prefix}/data.pkl"
+    loc = item_location(item, record=record)
+    out = _metadata_mismatch(item, header, record, f"a {header.short_name} of {header.dtype}", f"a {header.short_name}")
     for name, part in header.parts:
         who = f"{item_label(item)}: the {name!r} part of its {header.short_name}"
         out.extend(storage_findings(archive, part.storage_key, [part], lambda who=who: (who, loc)))
+    return out
+
+
+def _metadata_mismatch(item: Item, header: TensorHeader | SubclassHeader, record: str, with_dtype: str,
+                       what: str) -> list[Finding]:
+    """``tensor-record`` errors, at ``record``, where its dtype or shape is not the metadata's; ``with_dtype``,
+    ``what``: what the messages say the record holds."""
+    assert item.chunk is not None and item.dtype is not None
+    if header.dtype == item.dtype and header.size == item.chunk.sizes:
+        return []  # most items: no location built
+    out: list[Finding] = []
+    loc = item_location(item, record=record)
+    if header.dtype != item.dtype:
+        out.append(error("tensor-record", f"{item_label(item)} holds {with_dtype} but the metadata says {item.dtype}",
+                         location=loc, expected=item.dtype, actual=header.dtype))
+    if header.size != item.chunk.sizes:
+        out.append(error("tensor-record", f"{item_label(item)} holds {what} of shape {list(header.size)} but the "
+                         f"metadata says {list(item.chunk.sizes)}", location=loc,
+                         expected=list(item.chunk.sizes), actual=list(header.size)))
     return out
 
 
