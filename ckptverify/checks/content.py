@@ -45,16 +45,13 @@ class FileResult:
     uncheckable: int = 0
 
 
-def is_safetensors_blob(head: bytes, file_size: int) -> bool:
-    """True if ``head`` (>= 9 bytes) starts a safetensors blob: u64 header length, then ``{``."""
-    if len(head) < 9:
-        return False
-    (n,) = struct.unpack_from("<Q", head)
-    return 2 <= n <= file_size - 8 and head[8:9] == b"{"
+#: Bytes read at once for the first bytes of consecutive items.
+HEAD_WINDOW_BYTES = 1 << 20
 
 
 def safetensors_files(root_files: dict[str, ReadOnlyFile | None], items: list[Item]) -> set[str]:
-    """Files written in DCP's safetensors format (their tensor items do not address their own bytes)."""
+    """Files written in DCP's safetensors format (their tensor items do not address their own bytes): a tensor item
+    starts with a u64 header length, then ``{``, not a zip."""
     found: set[str] = set()
     buffers: dict[str, tuple[int, bytes]] = {}  # the first bytes of many items, read at once
     for item in sorted(items, key=lambda it: (it.file, it.offset)):
@@ -66,13 +63,10 @@ def safetensors_files(root_files: dict[str, ReadOnlyFile | None], items: list[It
             start, buf = item.offset, f.pread(item.offset, HEAD_WINDOW_BYTES)
             buffers[item.file] = (start, buf)
         head = buf[item.offset - start:item.offset - start + 9]
-        if head[:4] != b"PK\x03\x04" and is_safetensors_blob(head, f.size):
+        if len(head) == 9 and head[:4] != b"PK\x03\x04" and head[8:9] == b"{" \
+                and 2 <= struct.unpack_from("<Q", head)[0] <= f.size - 8:
             found.add(item.file)
     return found
-
-
-#: Bytes read at once for the first bytes of consecutive items.
-HEAD_WINDOW_BYTES = 1 << 20
 
 
 @dataclass(slots=True)
