@@ -72,8 +72,6 @@ class Payload:
 
     def to_json(self) -> dict[str, Any]:
         """The piece as JSON values, for :meth:`from_json` in another process."""
-        import dataclasses
-
         return dataclasses.asdict(self)
 
     @classmethod
