@@ -240,16 +240,12 @@ def _add_file(desc: Description, name: str) -> None:
     try:
         with ReadOnlyFile(os.path.join(desc.root, name), root=desc.root) as f:
             kind = "json" if name.endswith(".json") else sniff(f.pread(0, 16))
-            if kind == "torch.save":
-                _torch_save(desc, f, name)
-            elif kind == "safetensors":
-                _safetensors(desc, f, name)
-            elif kind == "pickle":
-                _pickle(desc, f, name)
-            elif kind == "json":
-                _json(desc, f, name)
-            else:
+            reader = {"torch.save": _torch_save, "safetensors": _safetensors, "pickle": _pickle, "json": _json}.get(
+                kind or "")
+            if reader is None:
                 desc.unread[name] = "not a checkpoint file (unknown content)"
+            else:
+                reader(desc, f, name)
     except OSError as exc:
         desc.unread[name] = f"cannot be read: {exc}"
 
