@@ -408,10 +408,8 @@ class VerificationRun:
         with self._lock:
             into = self._results[item.file]
             into.findings.extend(result.findings)
-            into.items += result.items
-            into.records += result.records
-            into.bytes_hashed += result.bytes_hashed
-            into.uncheckable += result.uncheckable
+            for count in ("items", "records", "bytes_hashed", "uncheckable"):
+                setattr(into, count, getattr(into, count) + getattr(result, count))
         return plan
 
     def _hash(self, layout: Layout) -> None:
@@ -524,7 +522,7 @@ class VerificationRun:
         covered_items = {(i.fqn, i.file) for i in matched.values()}
         self._findings = [
             f for f in self._findings
-            if not (f.check == "content-uncheckable"
+            if not (f.check == UNCHECKABLE
                     and ((f.location.fqn is None and f.location.file in verified)
                          or (f.location.fqn, f.location.file) in covered_items))
         ]
