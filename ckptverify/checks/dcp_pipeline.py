@@ -607,7 +607,7 @@ class VerificationRun:
 
     def _describe(self, values: bool, values_skip: frozenset[str] | set[str], side_files: bool) -> Description:
         from ckptverify.formats.dcp import ReadItem, describe_dcp
-        from ckptverify.formats.describe import side_file_description
+        from ckptverify.formats.describe import add_side_files
 
         assert self._layout is not None
         read = []
@@ -634,9 +634,10 @@ class VerificationRun:
             if digested and checksum != "manifest" and (item.file, item.offset, item.length) in digested:
                 checksum = "manifest" if checksum == "none" else f"{checksum}+manifest"
             read.append(ReadItem(item, plan.archive, header, base, reader, rec, checksum))
-        side = side_file_description(self.root, list(self._side_files)) if side_files and self._side_files else None
-        return describe_dcp(self.root, self._layout, read, files=self._opened, values=values, values_skip=values_skip,
-                            side=side)
+        desc = describe_dcp(self.root, self._layout, read, files=self._opened, values=values, values_skip=values_skip)
+        if side_files:
+            add_side_files(desc, self._side_files)
+        return desc
 
 
 def _unit(w: Any, tasks: list[manifest_check.BlockTask], crc_ranges: list[list[tuple[int, int]]],

@@ -35,9 +35,9 @@ from ckptverify.safeparse.zipwalk import Archive, parse_archive, range_reader
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc",
+__all__ = ["Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc", "add_side_files",
            "describe", "folder_files", "is_own_file", "iter_payload_blocks", "read_parts",
-           "read_payload", "read_tensor", "side_file_description", "stored_part", "stored_payloads", "view_span"]
+           "read_payload", "read_tensor", "stored_part", "stored_payloads", "view_span"]
 
 
 def is_own_file(name: str) -> bool:
@@ -203,12 +203,11 @@ def folder_files(root: str) -> list[str]:
     return sorted(out)
 
 
-def side_file_description(root: str, names: list[str]) -> Description:
-    """The side files ``names`` beside a DCP checkpoint in ``root``, every name prefixed by its file."""
-    desc = Description(root=root, target=root, format="side-files")
+def add_side_files(desc: Description, names: list[str]) -> None:
+    """The side files ``names`` beside a DCP checkpoint (in ``desc.root``) into ``desc``, every name prefixed by its
+    file."""
     for name in names:
-        _add_named(desc, name, _file(root, name), plain=False)
-    return desc
+        _add_named(desc, name, _file(desc.root, name), plain=False)
 
 
 def _file(root: str, name: str, target: str | None = None,
