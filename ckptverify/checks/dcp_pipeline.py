@@ -454,22 +454,21 @@ class VerificationRun:
         index_of = {id(p): n for n, p in enumerate(self._plans)}
         segs = [Segment(s.file, s.start, s.end, index_of[id(rest[s.plan])], s.record, s.index)
                 for s in segments(rest, 0, SEGMENT_BYTES)]
+        def piece(w: Any) -> Any:  # the byte range a work item reads: a block task or a CRC segment
+            return tasks[w[1]] if w[0] == "blocks" else w[1]
+
         work: list[Any] = [("blocks", k) for k in range(len(tasks))] + [("crc", s) for s in segs]
-        size = {("blocks", k): tasks[k].end - tasks[k].start for k in range(len(tasks))}
-        work.sort(key=lambda w: -(size[w] if w[0] == "blocks" else w[1].end - w[1].start))
+        work.sort(key=lambda w: piece(w).start - piece(w).end)  # largest first
         if self._progress is not None:
-            self._progress.start(sum(t.end - t.start for t in tasks) + sum(s.end - s.start for s in segs))
+            self._progress.start(sum(piece(w).end - piece(w).start for w in work))
 
         def run(w: Any) -> Any:
-            kind, what = w
-            if kind == "crc":
-                value = self._opened[what.file].crc32(what.start, what.end)  # type: ignore[union-attr]
-                self.advance(what.end - what.start)
-                return value
-            task = tasks[what]
-            result = manifest_check.hash_task(self._opened[task.file], task, manifest, crc_ranges[what])  # type: ignore[arg-type]
-            self.advance(task.end - task.start)
-            return result
+            p = piece(w)
+            f: Any = self._opened[p.file]
+            value = f.crc32(p.start, p.end) if w[0] == "crc" else \
+                manifest_check.hash_task(f, p, manifest, crc_ranges[w[1]])
+            self.advance(p.end - p.start)
+            return value
 
         if self._executor is not None:
             got = self._executor.map_units(self, [_unit(w, tasks, crc_ranges, manifest) for w in work])
