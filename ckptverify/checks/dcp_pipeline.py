@@ -10,6 +10,7 @@ contract ``fingerprint`` and ``diff`` use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 from collections import Counter, defaultdict
@@ -484,18 +485,11 @@ class VerificationRun:
             for (lo, hi), key, value in zip(crc_ranges[k], crc_keys[k], crcs, strict=True):
                 partials[key].append((lo, hi - lo, value))
         for n, plan in enumerate(self._plans):
-            if plan.crcs is not None:  # small items: computed while planning
-                judge_item(self._opened[plan.item.file], plan, plan.crcs, self._results[plan.item.file])  # type: ignore[arg-type]
-                continue
-            crcs = []
-            for r, rec in enumerate(plan.archive.records):
-                if (n, r) in by_manifest:
-                    crcs.append(rec.crc)  # judged by its block digests below, not by a CRC
-                    continue
-                value = 0
-                for _, length, part in sorted(partials[(n, r)]):
-                    value = crc32_combine(value, part, length)
-                crcs.append(value)
+            crcs = plan.crcs  # small items: computed while planning
+            if crcs is None:  # a record only the block digests below judge keeps its own CRC here
+                crcs = [rec.crc if (n, r) in by_manifest else functools.reduce(
+                    lambda value, part: crc32_combine(value, part[2], part[1]), sorted(partials[(n, r)]), 0)
+                    for r, rec in enumerate(plan.archive.records)]
             judge_item(self._opened[plan.item.file], plan, crcs, self._results[plan.item.file])  # type: ignore[arg-type]
         for name in sorted(self._results):
             res = self._results[name]
