@@ -13,7 +13,7 @@ import functools
 import math
 import pickle
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,14 +88,13 @@ class ItemPlan:
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """A byte range ``[start, end)`` of ``file``, part ``index`` of record ``record`` of plan ``plan``."""
+    """A byte range ``[start, end)`` of ``file``, a part of record ``record`` of plan ``plan`` (by index)."""
 
     file: str
     start: int
     end: int
     plan: int
     record: int
-    index: int
 
 
 def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: bool,
@@ -198,16 +197,16 @@ def _structure_finding(item: Item, exc: ArchiveError) -> Finding:
     )
 
 
-def segments(plans: list[ItemPlan], first_plan: int, max_bytes: int) -> list[Segment]:
-    """Split every record payload of ``plans`` into segments of at most ``max_bytes``, hashed in parallel and their
-    CRCs combined, so one huge record does not serialise the work."""
+def segments(plans: Iterable[tuple[int, ItemPlan]], max_bytes: int) -> list[Segment]:
+    """Split every record payload of ``plans`` (``(index, plan)``) into segments of at most ``max_bytes``, hashed in
+    parallel and their CRCs combined, so one huge record does not serialise the work."""
     out: list[Segment] = []
-    for p, plan in enumerate(plans, start=first_plan):
+    for p, plan in plans:
         base = plan.item.offset
         for r, rec in enumerate(plan.archive.records):
             start, end = base + rec.data_offset, base + rec.data_end
             starts = range(start, end, max_bytes) or [start]  # an empty record is one empty segment
-            out.extend(Segment(plan.item.file, s, min(end, s + max_bytes), p, r, i) for i, s in enumerate(starts))
+            out.extend(Segment(plan.item.file, s, min(end, s + max_bytes), p, r) for s in starts)
     return out
 
 

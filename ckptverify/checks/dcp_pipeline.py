@@ -23,7 +23,6 @@ from ckptverify.checks.commit import check_commit
 from ckptverify.checks.content import (
     FileResult,
     ItemPlan,
-    Segment,
     judge_item,
     plan_file,
     safetensors_files,
@@ -451,10 +450,9 @@ class VerificationRun:
                             keys.append((n, r))
                 crc_ranges.append(ranges)
                 crc_keys.append(keys)
-        rest = [p for n, p in enumerate(self._plans) if n not in covered and p.crcs is None]
-        index_of = {id(p): n for n, p in enumerate(self._plans)}
-        segs = [Segment(s.file, s.start, s.end, index_of[id(rest[s.plan])], s.record, s.index)
-                for s in segments(rest, 0, SEGMENT_BYTES)]
+        segs = segments(((n, p) for n, p in enumerate(self._plans) if n not in covered and p.crcs is None),
+                        SEGMENT_BYTES)
+
         def piece(w: Any) -> Any:  # the byte range a work item reads: a block task or a CRC segment
             return tasks[w[1]] if w[0] == "blocks" else w[1]
 
