@@ -420,6 +420,7 @@ class VerificationRun:
         tasks: list[manifest_check.BlockTask] = []
         crc_ranges: list[list[tuple[int, int]]] = []
         crc_keys: list[list[tuple[int, int]]] = []
+        task_plans: list[ItemPlan | None] = []  # each task's item's plan, if its archive parsed
         covered: set[int] = set()
         by_manifest: set[tuple[int, int]] = set()  # (plan, record) whose bytes only the manifest checks
         if manifest is not None:
@@ -434,6 +435,7 @@ class VerificationRun:
                 item = matched[task.entry]
                 n = plan_index.get((item.file, item.offset, item.length))
                 ranges, keys = [], []
+                task_plans.append(None if n is None else self._plans[n])
                 if n is not None:
                     covered.add(n)
                 if n is not None and self._plans[n].crcs is None:
@@ -497,14 +499,12 @@ class VerificationRun:
             self._bytes_hashed += res.bytes_hashed
         if manifest is None:
             return
-        plan_of = {(p.item.file, p.item.offset, p.item.length): p for p in self._plans}
         blocks = 0
         for k, task in enumerate(tasks):
             digests, _ = results[("blocks", k)]
             item = matched[task.entry]
             self._manifest_items.add((item.file, item.offset, item.length))
-            self._findings.extend(manifest_check.judge_blocks(
-                manifest, task, item, digests, plan_of.get((item.file, item.offset, item.length))))
+            self._findings.extend(manifest_check.judge_blocks(manifest, task, item, digests, task_plans[k]))
             blocks += len(digests)
         self._coverage.append(CheckCoverage(check="manifest-digest", count=blocks, unit="blocks"))
         self._untiled_files(manifest, matched)
