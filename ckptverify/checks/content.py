@@ -13,7 +13,7 @@ import functools
 import math
 import pickle
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,16 +45,13 @@ class FileResult:
     uncheckable: int = 0
 
 
-def is_safetensors_blob(head: bytes, file_size: int) -> bool:
-    """True if ``head`` (>= 9 bytes) starts a safetensors blob: u64 header length, then ``{``."""
-    if len(head) < 9:
-        return False
-    (n,) = struct.unpack_from("<Q", head)
-    return 2 <= n <= file_size - 8 and head[8:9] == b"{"
+#: Bytes read at once for the first bytes of consecutive items.
+HEAD_WINDOW_BYTES = 1 << 20
 
 
 def safetensors_files(root_files: dict[str, ReadOnlyFile | None], items: list[Item]) -> set[str]:
-    """Files written in DCP's safetensors format (their tensor items do not address their own bytes)."""
+    """Files written in DCP's safetensors format (their tensor items do not address their own bytes): a tensor item
+    starts with a u64 header length, then ``{``, not a zip."""
     found: set[str] = set()
     buffers: dict[str, tuple[int, bytes]] = {}  # the first bytes of many items, read at once
     for item in sorted(items, key=lambda it: (it.file, it.offset)):
@@ -66,13 +63,10 @@ def safetensors_files(root_files: dict[str, ReadOnlyFile | None], items: list[It
             start, buf = item.offset, f.pread(item.offset, HEAD_WINDOW_BYTES)
             buffers[item.file] = (start, buf)
         head = buf[item.offset - start:item.offset - start + 9]
-        if head[:4] != b"PK\x03\x04" and is_safetensors_blob(head, f.size):
+        if len(head) == 9 and head[:4] != b"PK\x03\x04" and head[8:9] == b"{" \
+                and 2 <= struct.unpack_from("<Q", head)[0] <= f.size - 8:
             found.add(item.file)
     return found
-
-
-#: Bytes read at once for the first bytes of consecutive items.
-HEAD_WINDOW_BYTES = 1 << 20
 
 
 @dataclass(slots=True)
@@ -94,14 +88,13 @@ class ItemPlan:
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """A byte range ``[start, end)`` of ``file``, part ``index`` of record ``record`` of plan ``plan``."""
+    """A byte range ``[start, end)`` of ``file``, a part of record ``record`` of plan ``plan`` (by index)."""
 
     file: str
     start: int
     end: int
     plan: int
     record: int
-    index: int
 
 
 def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: bool,
@@ -204,16 +197,16 @@ def _structure_finding(item: Item, exc: ArchiveError) -> Finding:
     )
 
 
-def segments(plans: list[ItemPlan], first_plan: int, max_bytes: int) -> list[Segment]:
-    """Split every record payload of ``plans`` into segments of at most ``max_bytes``, hashed in parallel and their
-    CRCs combined, so one huge record does not serialise the work."""
+def segments(plans: Iterable[tuple[int, ItemPlan]], max_bytes: int) -> list[Segment]:
+    """Split every record payload of ``plans`` (``(index, plan)``) into segments of at most ``max_bytes``, hashed in
+    parallel and their CRCs combined, so one huge record does not serialise the work."""
     out: list[Segment] = []
-    for p, plan in enumerate(plans, start=first_plan):
+    for p, plan in plans:
         base = plan.item.offset
         for r, rec in enumerate(plan.archive.records):
             start, end = base + rec.data_offset, base + rec.data_end
             starts = range(start, end, max_bytes) or [start]  # an empty record is one empty segment
-            out.extend(Segment(plan.item.file, s, min(end, s + max_bytes), p, r, i) for i, s in enumerate(starts))
+            out.extend(Segment(plan.item.file, s, min(end, s + max_bytes), p, r) for s in starts)
     return out
 
 
@@ -364,39 +357,39 @@ def _bit_hint(label: str, rec: Record, bit: tuple[int, int], loc: Location) -> F
 
 def _tensor_consistency(item: Item, archive: Archive, header: TensorHeader) -> list[Finding]:
     """A tensor record against the metadata (dtype, shape) and its storage record (:func:`storage_findings`)."""
-    assert item.chunk is not None and item.dtype is not None
     record = f"{archive.prefix}/data.pkl"
-    stored = storage_findings(archive, header.storage_key, [header],
-                              lambda: (item_label(item), item_location(item, record=record)))
-    if header.dtype == item.dtype and header.size == item.chunk.sizes and not stored:
-        return []
-    out: list[Finding] = []
-    loc = item_location(item, record=record)
-    if header.dtype != item.dtype:
-        out.append(error("tensor-record", f"{item_label(item)} holds {header.dtype} values but the metadata says "
-                         f"{item.dtype}", location=loc, expected=item.dtype, actual=header.dtype))
-    if header.size != item.chunk.sizes:
-        out.append(error("tensor-record", f"{item_label(item)} holds a tensor of shape {list(header.size)} but the "
-                         f"metadata says {list(item.chunk.sizes)}", location=loc,
-                         expected=list(item.chunk.sizes), actual=list(header.size)))
-    return out + stored
+    out = _metadata_mismatch(item, header, record, f"{header.dtype} values", "a tensor")
+    return out + storage_findings(archive, header.storage_key, [header],
+                                  lambda: (item_label(item), item_location(item, record=record)))
 
 
 def _subclass_consistency(item: Item, archive: Archive, header: SubclassHeader) -> list[Finding]:
     """A subclass record against the metadata (outer dtype, shape) and each inner header against its storage record."""
-    assert item.chunk is not None and item.dtype is not None
-    out: list[Finding] = []
-    loc = item_location(item, record=f"{archive.prefix}/data.pkl")
-    if header.dtype != item.dtype:
-        out.append(error("tensor-record", f"{item_label(item)} holds a {header.short_name} of {header.dtype} but "
-                         f"the metadata says {item.dtype}", location=loc, expected=item.dtype, actual=header.dtype))
-    if header.size != item.chunk.sizes:
-        out.append(error("tensor-record", f"{item_label(item)} holds a {header.short_name} of shape "
-                         f"{list(header.size)} but the metadata says {list(item.chunk.sizes)}", location=loc,
-                         expected=list(item.chunk.sizes), actual=list(header.size)))
+    record = f"{archive.prefix}/data.pkl"
+    loc = item_location(item, record=record)
+    out = _metadata_mismatch(item, header, record, f"a {header.short_name} of {header.dtype}", f"a {header.short_name}")
     for name, part in header.parts:
         who = f"{item_label(item)}: the {name!r} part of its {header.short_name}"
         out.extend(storage_findings(archive, part.storage_key, [part], lambda who=who: (who, loc)))
+    return out
+
+
+def _metadata_mismatch(item: Item, header: TensorHeader | SubclassHeader, record: str, with_dtype: str,
+                       what: str) -> list[Finding]:
+    """``tensor-record`` errors, at ``record``, where its dtype or shape is not the metadata's; ``with_dtype``,
+    ``what``: what the messages say the record holds."""
+    assert item.chunk is not None and item.dtype is not None
+    if header.dtype == item.dtype and header.size == item.chunk.sizes:
+        return []  # most items: no location built
+    out: list[Finding] = []
+    loc = item_location(item, record=record)
+    if header.dtype != item.dtype:
+        out.append(error("tensor-record", f"{item_label(item)} holds {with_dtype} but the metadata says {item.dtype}",
+                         location=loc, expected=item.dtype, actual=header.dtype))
+    if header.size != item.chunk.sizes:
+        out.append(error("tensor-record", f"{item_label(item)} holds {what} of shape {list(header.size)} but the "
+                         f"metadata says {list(item.chunk.sizes)}", location=loc,
+                         expected=list(item.chunk.sizes), actual=list(header.size)))
     return out
 
 

@@ -10,6 +10,7 @@ contract ``fingerprint`` and ``diff`` use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 from collections import Counter, defaultdict
@@ -22,7 +23,6 @@ from ckptverify.checks.commit import check_commit
 from ckptverify.checks.content import (
     FileResult,
     ItemPlan,
-    Segment,
     judge_item,
     plan_file,
     safetensors_files,
@@ -408,10 +408,8 @@ class VerificationRun:
         with self._lock:
             into = self._results[item.file]
             into.findings.extend(result.findings)
-            into.items += result.items
-            into.records += result.records
-            into.bytes_hashed += result.bytes_hashed
-            into.uncheckable += result.uncheckable
+            for count in ("items", "records", "bytes_hashed", "uncheckable"):
+                setattr(into, count, getattr(into, count) + getattr(result, count))
         return plan
 
     def _hash(self, layout: Layout) -> None:
@@ -422,6 +420,7 @@ class VerificationRun:
         tasks: list[manifest_check.BlockTask] = []
         crc_ranges: list[list[tuple[int, int]]] = []
         crc_keys: list[list[tuple[int, int]]] = []
+        task_plans: list[ItemPlan | None] = []  # each task's item's plan, if its archive parsed
         covered: set[int] = set()
         by_manifest: set[tuple[int, int]] = set()  # (plan, record) whose bytes only the manifest checks
         if manifest is not None:
@@ -436,6 +435,7 @@ class VerificationRun:
                 item = matched[task.entry]
                 n = plan_index.get((item.file, item.offset, item.length))
                 ranges, keys = [], []
+                task_plans.append(None if n is None else self._plans[n])
                 if n is not None:
                     covered.add(n)
                 if n is not None and self._plans[n].crcs is None:
@@ -452,26 +452,24 @@ class VerificationRun:
                             keys.append((n, r))
                 crc_ranges.append(ranges)
                 crc_keys.append(keys)
-        rest = [p for n, p in enumerate(self._plans) if n not in covered and p.crcs is None]
-        index_of = {id(p): n for n, p in enumerate(self._plans)}
-        segs = [Segment(s.file, s.start, s.end, index_of[id(rest[s.plan])], s.record, s.index)
-                for s in segments(rest, 0, SEGMENT_BYTES)]
+        segs = segments(((n, p) for n, p in enumerate(self._plans) if n not in covered and p.crcs is None),
+                        SEGMENT_BYTES)
+
+        def piece(w: Any) -> Any:  # the byte range a work item reads: a block task or a CRC segment
+            return tasks[w[1]] if w[0] == "blocks" else w[1]
+
         work: list[Any] = [("blocks", k) for k in range(len(tasks))] + [("crc", s) for s in segs]
-        size = {("blocks", k): tasks[k].end - tasks[k].start for k in range(len(tasks))}
-        work.sort(key=lambda w: -(size[w] if w[0] == "blocks" else w[1].end - w[1].start))
+        work.sort(key=lambda w: piece(w).start - piece(w).end)  # largest first
         if self._progress is not None:
-            self._progress.start(sum(t.end - t.start for t in tasks) + sum(s.end - s.start for s in segs))
+            self._progress.start(sum(piece(w).end - piece(w).start for w in work))
 
         def run(w: Any) -> Any:
-            kind, what = w
-            if kind == "crc":
-                value = self._opened[what.file].crc32(what.start, what.end)  # type: ignore[union-attr]
-                self.advance(what.end - what.start)
-                return value
-            task = tasks[what]
-            result = manifest_check.hash_task(self._opened[task.file], task, manifest, crc_ranges[what])  # type: ignore[arg-type]
-            self.advance(task.end - task.start)
-            return result
+            p = piece(w)
+            f: Any = self._opened[p.file]
+            value = f.crc32(p.start, p.end) if w[0] == "crc" else \
+                manifest_check.hash_task(f, p, manifest, crc_ranges[w[1]])
+            self.advance(p.end - p.start)
+            return value
 
         if self._executor is not None:
             got = self._executor.map_units(self, [_unit(w, tasks, crc_ranges, manifest) for w in work])
@@ -487,18 +485,11 @@ class VerificationRun:
             for (lo, hi), key, value in zip(crc_ranges[k], crc_keys[k], crcs, strict=True):
                 partials[key].append((lo, hi - lo, value))
         for n, plan in enumerate(self._plans):
-            if plan.crcs is not None:  # small items: computed while planning
-                judge_item(self._opened[plan.item.file], plan, plan.crcs, self._results[plan.item.file])  # type: ignore[arg-type]
-                continue
-            crcs = []
-            for r, rec in enumerate(plan.archive.records):
-                if (n, r) in by_manifest:
-                    crcs.append(rec.crc)  # judged by its block digests below, not by a CRC
-                    continue
-                value = 0
-                for _, length, part in sorted(partials[(n, r)]):
-                    value = crc32_combine(value, part, length)
-                crcs.append(value)
+            crcs = plan.crcs  # small items: computed while planning
+            if crcs is None:  # a record only the block digests below judge keeps its own CRC here
+                crcs = [rec.crc if (n, r) in by_manifest else functools.reduce(
+                    lambda value, part: crc32_combine(value, part[2], part[1]), sorted(partials[(n, r)]), 0)
+                    for r, rec in enumerate(plan.archive.records)]
             judge_item(self._opened[plan.item.file], plan, crcs, self._results[plan.item.file])  # type: ignore[arg-type]
         for name in sorted(self._results):
             res = self._results[name]
@@ -508,14 +499,12 @@ class VerificationRun:
             self._bytes_hashed += res.bytes_hashed
         if manifest is None:
             return
-        plan_of = {(p.item.file, p.item.offset, p.item.length): p for p in self._plans}
         blocks = 0
         for k, task in enumerate(tasks):
             digests, _ = results[("blocks", k)]
             item = matched[task.entry]
             self._manifest_items.add((item.file, item.offset, item.length))
-            self._findings.extend(manifest_check.judge_blocks(
-                manifest, task, item, digests, plan_of.get((item.file, item.offset, item.length))))
+            self._findings.extend(manifest_check.judge_blocks(manifest, task, item, digests, task_plans[k]))
             blocks += len(digests)
         self._coverage.append(CheckCoverage(check="manifest-digest", count=blocks, unit="blocks"))
         self._untiled_files(manifest, matched)
@@ -524,7 +513,7 @@ class VerificationRun:
         covered_items = {(i.fqn, i.file) for i in matched.values()}
         self._findings = [
             f for f in self._findings
-            if not (f.check == "content-uncheckable"
+            if not (f.check == UNCHECKABLE
                     and ((f.location.fqn is None and f.location.file in verified)
                          or (f.location.fqn, f.location.file) in covered_items))
         ]
@@ -609,7 +598,7 @@ class VerificationRun:
 
     def _describe(self, values: bool, values_skip: frozenset[str] | set[str], side_files: bool) -> Description:
         from ckptverify.formats.dcp import ReadItem, describe_dcp
-        from ckptverify.formats.describe import side_file_description
+        from ckptverify.formats.describe import add_side_files
 
         assert self._layout is not None
         read = []
@@ -636,9 +625,10 @@ class VerificationRun:
             if digested and checksum != "manifest" and (item.file, item.offset, item.length) in digested:
                 checksum = "manifest" if checksum == "none" else f"{checksum}+manifest"
             read.append(ReadItem(item, plan.archive, header, base, reader, rec, checksum))
-        side = side_file_description(self.root, list(self._side_files)) if side_files and self._side_files else None
-        return describe_dcp(self.root, self._layout, read, files=self._opened, values=values, values_skip=values_skip,
-                            side=side)
+        desc = describe_dcp(self.root, self._layout, read, files=self._opened, values=values, values_skip=values_skip)
+        if side_files:
+            add_side_files(desc, self._side_files)
+        return desc
 
 
 def _unit(w: Any, tasks: list[manifest_check.BlockTask], crc_ranges: list[list[tuple[int, int]]],

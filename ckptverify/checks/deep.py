@@ -154,8 +154,6 @@ def _view_sizes(p: Payload) -> tuple[int, int] | None:
 def _scan_piece(desc: Description, name: str, p: Payload, shape: tuple[int, ...],
                 progress: Callable[[int], None] | None, view_limit: int | None, budget: int) -> TensorScan:
     """:func:`scan_payload` of ``p`` through the description's open reader, or a file opened for it."""
-    if desc.opener is not None:  # readers the description holds open: no context to enter
-        return scan_payload(desc.opener(p), name, p, shape, progress, view_limit, budget)
     with desc.open(p) as f:
         return scan_payload(f, name, p, shape, progress, view_limit, budget)
 
@@ -266,8 +264,8 @@ def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, T
     return out, rebuilt
 
 
-def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[int], None] | None = None,
-                        view_limit: int | None = BLOCK_BYTES, budgets: dict[int, int] | None = None) -> TensorScan:
+def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[int], None] | None,
+                        view_limit: int | None, budgets: dict[int, int]) -> TensorScan:
     """Rebuild each inner tensor of ``t`` (a tensor subclass) and give each part's fingerprint and the subclass's (as
     :mod:`ckptverify.fingerprint.subclass` gives it live). ``budgets``: each part's share of the view bound."""
     import json
@@ -281,9 +279,9 @@ def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[in
     parts: list[tuple[str, TensorFingerprint]] = []
     for part in t.subclass.parts:
         p = part.payload
-        budget = MAX_VIEW_BYTES if budgets is None else budgets.get(id(p), MAX_VIEW_BYTES)
         try:
-            got = _scan_piece(desc, f"{t.name}.{part.name}", p, part.shape, progress, view_limit, budget)
+            got = _scan_piece(desc, f"{t.name}.{part.name}", p, part.shape, progress, view_limit,
+                              budgets.get(id(p), MAX_VIEW_BYTES))
         except (OSError, ValueError, KeyError) as exc:
             out.unreadable.append(f"{t.name} part {part.name!r}: {exc}")
             continue

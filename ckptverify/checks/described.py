@@ -121,13 +121,9 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
                             f"of {name} differ from when they were fingerprinted",
                             location=Location(file=name, fqn=item.fqn, byte_range=(start, end)),
                             expected=want, actual=have))
-            if not blamed:
-                findings.append(error("manifest-digest", f"{name} differs from when it was fingerprinted (outside any "
-                                      "tensor's bytes: its header, pickle or text)", location=where,
-                                      expected=entry.digest, actual=got))
-            else:
-                findings.append(error("manifest-digest", f"{name} differs from when it was fingerprinted",
-                                      location=where, expected=entry.digest, actual=got))
+            outside = "" if blamed else " (outside any tensor's bytes: its header, pickle or text)"
+            findings.append(error("manifest-digest", f"{name} differs from when it was fingerprinted{outside}",
+                                  location=where, expected=entry.digest, actual=got))
     added = set(folder_files(desc.root)) - set(manifest.files) if paths.isdir(desc.target) else set()
     for name in sorted(added):
         findings.append(warning("manifest-unlisted", f"{name} was not there when the folder was fingerprinted: "

@@ -215,12 +215,10 @@ def judge_blocks(manifest: Manifest, task: BlockTask, item: Item, digests: list[
             continue
         start = item.offset + i * bb
         end = min(item.end, start + bb)
+        note, where = _blamed(item, plan, start, end)
         out.append(error(
-            "manifest-digest",
-            f"{item_label(item)}: bytes [{start}, {end}) of {item.file} differ from what was saved"
-            + _element_note(item, plan, start, end),
-            location=_block_location(item, plan, start, end),
-            expected=expected, actual=digest,
+            "manifest-digest", f"{item_label(item)}: bytes [{start}, {end}) of {item.file} differ from what was saved"
+            f"{note}", location=where, expected=expected, actual=digest,
         ))
     return out
 
@@ -241,13 +239,18 @@ def _payload_elements(item: Item, plan: ItemPlan | None, start: int, end: int) -
                             item.chunk.numel)
 
 
-def _element_note(item: Item, plan: ItemPlan | None, start: int, end: int) -> str:
+def _blamed(item: Item, plan: ItemPlan | None, start: int, end: int) -> tuple[str, Location]:
+    """What bytes ``[start, end)`` of ``item`` hold, as a note to a message, and their location (with the elements,
+    for a plain row-major tensor's payload)."""
+    where = item_location(item, byte_range=(start, end))
     if plan is not None and isinstance(plan.header, SubclassHeader):
-        return _subclass_note(item, plan, plan.header, start, end)
+        return _subclass_note(item, plan, plan.header, start, end), where
     span = _payload_elements(item, plan, start, end)
     if span is None:
-        return " (outside the tensor payload: headers or a non-tensor value)"
-    return f": elements [{span[0]}, {span[1]}) of the chunk"
+        return " (outside the tensor payload: headers or a non-tensor value)", where
+    return f": elements [{span[0]}, {span[1]}) of the chunk", item_location(
+        item, byte_range=(start, end), element_range=span, global_index_first=global_index(item, span[0]),
+        global_index_last=global_index(item, span[1] - 1))
 
 
 def _subclass_note(item: Item, plan: ItemPlan, header: SubclassHeader, start: int, end: int) -> str:
@@ -260,12 +263,3 @@ def _subclass_note(item: Item, plan: ItemPlan, header: SubclassHeader, start: in
     if not touched:
         return f" (outside the {header.short_name}'s inner tensors: headers)"
     return f" (the {header.short_name}'s {' and '.join(touched)} part{'s' if len(touched) > 1 else ''})"
-
-
-def _block_location(item: Item, plan: ItemPlan | None, start: int, end: int) -> Location:
-    span = _payload_elements(item, plan, start, end)
-    if span is None:
-        return item_location(item, byte_range=(start, end))
-    return item_location(item, byte_range=(start, end), element_range=span,
-                         global_index_first=global_index(item, span[0]),
-                         global_index_last=global_index(item, span[1] - 1))

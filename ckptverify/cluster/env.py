@@ -82,9 +82,7 @@ def _tasks_here(spec: str) -> int:
 
 
 def cores_per_rank(local_world_size: int) -> int:
-    """Worker threads per rank by default: this node's cores shared among the ranks that run on it."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_world_size))
+    """Worker threads per rank by default: this node's usable cores shared among the ranks that run on it."""
+    from ckptverify.checks.dcp_pipeline import default_jobs
+
+    return max(1, default_jobs() // max(1, local_world_size))

@@ -21,18 +21,12 @@ Unit = list[Any]
 
 def unit_bytes(unit: Unit, size_of: Callable[[str], int]) -> int:
     """The bytes a unit reads."""
-    kind = unit[0]
-    if kind in ("crc", "blocks"):
-        return int(unit[3]) - int(unit[2])
-    if kind == "digest":
-        return size_of(unit[1])
-    if kind == "item":
-        return int(unit[3])
-    if kind == "checkpoint":
+    if unit[0] == "checkpoint":
         return int(unit[1]["size"])
-    if kind == "payload":
-        return int(unit[3]["length"])
-    raise ValueError(f"unknown work unit {kind!r}")
+    got = unit_range(unit, size_of)
+    if got is None:
+        raise ValueError(f"unknown work unit {unit[0]!r}")
+    return got[2] - got[1]
 
 
 def unit_file(unit: Unit) -> str | None:

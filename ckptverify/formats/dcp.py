@@ -34,11 +34,9 @@ class ReadItem(NamedTuple):
 
 
 def describe_dcp(root: str, layout: Layout, read: Iterable[ReadItem], *, files: dict[str, Any],
-                 values: bool = False, values_skip: frozenset[str] | set[str] = frozenset(),
-                 side: Description | None = None) -> Description:
+                 values: bool = False, values_skip: frozenset[str] | set[str] = frozenset()) -> Description:
     """The description of the DCP checkpoint at ``root`` from ``layout``, the parsed items ``read`` and the opened
-    ``files`` (``None``: could not be opened). ``values``: also plain values (not those in ``values_skip``); ``side``:
-    side files' description merged in (``FILE:PATH``)."""
+    ``files`` (``None``: could not be opened). ``values``: also plain values (not those in ``values_skip``)."""
     read = list(read)
     desc = Description(root=root, target=root, format="dcp", metadata_files=list(layout.metadata_files))
     for name, f in sorted(files.items()):
@@ -72,11 +70,6 @@ def describe_dcp(root: str, layout: Layout, read: Iterable[ReadItem], *, files: 
         desc.values.update(_values(r for r in read if r.item.kind == "bytes" and r.item.fqn not in values_skip))
     shared = {n: f for n, f in files.items() if f is not None}
     desc.opener = _opener(shared, readers)
-    if side is not None:
-        desc.files.update(side.files)
-        desc.tensors.update(side.tensors)
-        desc.values.update(side.values)
-        desc.unread.update(side.unread)
     return desc
 
 

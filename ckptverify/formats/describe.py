@@ -35,9 +35,9 @@ from ckptverify.safeparse.zipwalk import Archive, parse_archive, range_reader
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc",
+__all__ = ["Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc", "add_side_files",
            "describe", "folder_files", "is_own_file", "iter_payload_blocks", "read_parts",
-           "read_payload", "read_tensor", "side_file_description", "stored_part", "stored_payloads", "view_span"]
+           "read_payload", "read_tensor", "stored_part", "stored_payloads", "view_span"]
 
 
 def is_own_file(name: str) -> bool:
@@ -72,8 +72,6 @@ class Payload:
 
     def to_json(self) -> dict[str, Any]:
         """The piece as JSON values, for :meth:`from_json` in another process."""
-        import dataclasses
-
         return dataclasses.asdict(self)
 
     @classmethod
@@ -205,12 +203,11 @@ def folder_files(root: str) -> list[str]:
     return sorted(out)
 
 
-def side_file_description(root: str, names: list[str]) -> Description:
-    """The side files ``names`` beside a DCP checkpoint in ``root``, every name prefixed by its file."""
-    desc = Description(root=root, target=root, format="side-files")
+def add_side_files(desc: Description, names: list[str]) -> None:
+    """The side files ``names`` beside a DCP checkpoint (in ``desc.root``) into ``desc``, every name prefixed by its
+    file."""
     for name in names:
-        _add_named(desc, name, _file(root, name), plain=False)
-    return desc
+        _add_named(desc, name, _file(desc.root, name), plain=False)
 
 
 def _file(root: str, name: str, target: str | None = None,
@@ -242,16 +239,12 @@ def _add_file(desc: Description, name: str) -> None:
     try:
         with ReadOnlyFile(os.path.join(desc.root, name), root=desc.root) as f:
             kind = "json" if name.endswith(".json") else sniff(f.pread(0, 16))
-            if kind == "torch.save":
-                _torch_save(desc, f, name)
-            elif kind == "safetensors":
-                _safetensors(desc, f, name)
-            elif kind == "pickle":
-                _pickle(desc, f, name)
-            elif kind == "json":
-                _json(desc, f, name)
-            else:
+            reader = {"torch.save": _torch_save, "safetensors": _safetensors, "pickle": _pickle, "json": _json}.get(
+                kind or "")
+            if reader is None:
                 desc.unread[name] = "not a checkpoint file (unknown content)"
+            else:
+                reader(desc, f, name)
     except OSError as exc:
         desc.unread[name] = f"cannot be read: {exc}"
 
