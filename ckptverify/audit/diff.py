@@ -40,8 +40,8 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jo
     B's names with ``B_PREFIX`` instead (longest prefix wins; one side may be empty). Raises
     :class:`~ckptverify.errors.UsageError` for a malformed mapping or one mapping two names of A onto one.
     """
-    from ckptverify.audit.verify import is_dcp
     from ckptverify.errors import CheckpointNotFoundError
+    from ckptverify.formats.rundir import is_dcp
 
     mapping = parse_prefix_map(map_prefix)
     roots = (os.fspath(a), os.fspath(b))

@@ -185,14 +185,14 @@ def _default_jobs(root: str) -> int:
 def _other_format(root: str) -> tuple[str | None, list[Any], bool]:
     """``None`` for DCP (or torn DCP), ``"folder"`` for a folder of files, ``"run-directory"`` (with the checkpoints
     found: the walk is done once); and whether the walk missed anything."""
-    from ckptverify.formats.rundir import dir_format, find_checkpoints
+    from ckptverify.formats.rundir import DCP_FORMATS, dir_format, find_checkpoints, is_dcp
 
     try:
         names = paths.listdir(root)
     except OSError:
         return None, [], False
     fmt = dir_format(names)
-    if fmt in ("dcp", "dcp-uncommitted"):
+    if fmt in DCP_FORMATS:
         return None, [], False
     from ckptverify.checks.folder import CHECKPOINT_SUFFIXES  # only past DCP: a plain verify skips its imports
 
@@ -209,20 +209,6 @@ def _other_format(root: str) -> tuple[str | None, list[Any], bool]:
     notes: list[Any] = []
     found = find_checkpoints(root, notes=notes)
     return ("run-directory" if found else None), found, bool(notes)
-
-
-def is_dcp(path: str) -> bool:
-    """Whether ``path`` is a folder holding a DCP checkpoint (committed or not)."""
-    from ckptverify.formats.rundir import dir_format
-
-    return paths.isdir(path) and dir_format(_listdir(path)) in ("dcp", "dcp-uncommitted")
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return paths.listdir(path)
-    except OSError:
-        return []
 
 
 def _verify_file(path: str, started: float, deep: bool = False, use_manifest: bool = True) -> Report:

@@ -152,6 +152,7 @@ def manifests_of(path: str) -> tuple[list[tuple[str, Manifest]], list[Finding]]:
     manifest)`` pairs (orphan file manifests included: comparing reports the missing file) and a
     ``manifest-invalid`` error per untrustworthy manifest (refused whole)."""
     from ckptverify.errors import ManifestError
+    from ckptverify.formats.rundir import is_dcp
     from ckptverify.ownfiles.manifest import MANIFEST_FILE, file_manifest_name, read_manifest
 
     wanted: list[tuple[str, str, str | None]] = []  # (folder the manifest lies in, its name, file it pins)
@@ -166,7 +167,7 @@ def manifests_of(path: str) -> tuple[list[tuple[str, Manifest]], list[Finding]]:
     else:
         where, base = os.path.split(paths.abspath(path))
         wanted.append((where, file_manifest_name(base), base))
-        if _folder_of_files(where):
+        if paths.isdir(where) and not is_dcp(where):  # a DCP manifest pins shards and side files whole
             wanted.append((where, MANIFEST_FILE, base))  # the file's folder's manifest, for this file alone
     found: list[tuple[str, Manifest]] = []
     findings: list[Finding] = []
@@ -185,16 +186,6 @@ def manifests_of(path: str) -> tuple[list[tuple[str, Manifest]], list[Finding]]:
         if manifest is not None:
             found.append((where if pinned is None else os.path.join(where, pinned), manifest))
     return found, findings
-
-
-def _folder_of_files(folder: str) -> bool:
-    """``folder`` is not a DCP checkpoint (whose manifest pins its shards and side files whole)."""
-    from ckptverify.formats.rundir import dir_format
-
-    try:
-        return dir_format(paths.listdir(folder)) not in ("dcp", "dcp-uncommitted")
-    except OSError:
-        return False
 
 
 def _for_one_file(manifest: Manifest, name: str) -> Manifest | None:

@@ -14,7 +14,7 @@ from ckptverify.checks import plain_name
 from ckptverify.checks.single import check_file, check_json
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.formats.describe import is_own_file
-from ckptverify.formats.rundir import dir_format
+from ckptverify.formats.rundir import is_dcp
 from ckptverify.safeparse import paths
 
 __all__ = ["CHECKPOINT_SUFFIXES", "check_folder"]
@@ -40,11 +40,7 @@ def check_folder(root: str) -> tuple[list[Finding], list[CheckCoverage], dict[st
         except OSError:
             continue
         if stat.S_ISDIR(st.st_mode):
-            try:
-                names = paths.listdir(e.path)
-            except OSError:
-                names = []
-            if dir_format(names) in ("dcp", "dcp-uncommitted"):
+            if is_dcp(e.path):
                 facts["dcp_parts"].append(e.name)
             else:
                 facts["unchecked"].append(e.name + "/")

@@ -21,6 +21,7 @@ from ckptverify.safeparse import paths
 from ckptverify.safeparse.paths import WalkNote
 
 __all__ = [
+    "DCP_FORMATS",
     "MAX_DEPTH",
     "MAX_ENTRIES",
     "MAX_FOLDER_ENTRIES",
@@ -29,6 +30,7 @@ __all__ = [
     "dir_format",
     "file_format",
     "find_checkpoints",
+    "is_dcp",
     "step_of",
 ]
 
@@ -105,12 +107,26 @@ def _marker(name: str) -> int | None:
 
 
 _MARKER_FORMATS = ("dcp", "dcp-uncommitted", "accelerate", "hf")
+#: What :func:`dir_format` calls a DCP checkpoint's folder: committed, or not (yet, or never).
+DCP_FORMATS = _MARKER_FORMATS[:2]
 
 
 def dir_format(names: list[str]) -> str | None:
     """The format of a directory holding the entries ``names`` (its own files only), or ``None``."""
     ranks = [r for r in map(_marker, names) if r is not None]
     return _MARKER_FORMATS[min(ranks)] if ranks else None
+
+
+def is_dcp(path: str) -> bool:
+    """Whether ``path`` is a folder holding a DCP checkpoint, committed or not (its own names say so: one of
+    :data:`DCP_FORMATS`); ``False`` for anything else, or a folder that cannot be listed. The committed ones a
+    save's verification is shared out by: :func:`~ckptverify.ownfiles.partsplan.dcp_folders`."""
+    if not paths.isdir(path):
+        return False
+    try:
+        return dir_format(paths.listdir(path)) in DCP_FORMATS
+    except OSError:
+        return False
 
 
 @dataclass
@@ -243,7 +259,7 @@ def find_checkpoints(run_dir: str | os.PathLike[str], *, notes: list[WalkNote] |
     root_fmt = own.fmt
     own_parts: set[str] = set()
     if root_fmt is not None:
-        if root_fmt not in ("dcp", "dcp-uncommitted"):
+        if root_fmt not in DCP_FORMATS:
             own_parts = {e.name for e in own.dirs if step_of(e.name) is None and _is_dcp(walker, e.path)}
         size, mtime = 0, 0
         with contextlib.suppress(OSError), paths.scandir(root) as it:
@@ -302,5 +318,6 @@ def find_checkpoints(run_dir: str | os.PathLike[str], *, notes: list[WalkNote] |
 
 
 def _is_dcp(walker: _Walker, path: str) -> bool:
+    """:func:`is_dcp` from the walk's own listing (each folder listed once, against its budget)."""
     listing = walker.listing(path)
-    return listing is not None and listing.fmt in ("dcp", "dcp-uncommitted")
+    return listing is not None and listing.fmt in DCP_FORMATS
