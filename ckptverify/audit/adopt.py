@@ -20,6 +20,7 @@ from ckptverify.checks.dcp_pipeline import (
     ProgressSink,
     VerificationRun,
     changed_finding,
+    changed_under,
     default_jobs,
 )
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, FileChangedError, UsageError
@@ -142,9 +143,7 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
             return _refusal(checked, f"files changed while they were digested; {_GONE}", *changed), None
         written = write_manifest(root, manifest)
     except FileChangedError as exc:
-        name = os.path.relpath(exc.path, root) if isinstance(exc.path, str) else "?"
-        return _refusal(checked, f"a file changed while it was digested; {_GONE}",
-                        changed_finding(name, str(exc))), None
+        return _refusal(checked, f"a file changed while it was digested; {_GONE}", changed_under(root, exc)), None
     finally:
         run.close()
     notes = [info("manifest-written",

@@ -220,9 +220,8 @@ class VerificationRun:
         try:
             with paused_gc():  # the layout, plans and results of a large checkpoint form no cycles
                 self._stages(deep=deep, use_manifest=use_manifest)
-        except FileChangedError as exc:  # named as the checkpoint names it
-            name = os.path.relpath(exc.path, self.root).replace(os.sep, "/") if isinstance(exc.path, str) else "?"
-            self._findings.append(changed_finding(name, str(exc)))
+        except FileChangedError as exc:
+            self._findings.append(changed_under(self.root, exc))
         self._findings.extend(self.changed_files())
 
     def _mine(self, name: str) -> bool:
@@ -724,6 +723,13 @@ def changed_finding(name: str, how: str) -> Finding:
     return error("file-changed", f"{name}: file changed during verification ({how}); what was read proves "
                  "nothing about what is on disk now: verify again once nothing writes to the checkpoint",
                  location=Location(file=name))
+
+
+def changed_under(root: str, exc: FileChangedError) -> Finding:
+    """:func:`changed_finding` for ``exc``, raised reading a file of the checkpoint at ``root``: the file named as the
+    checkpoint names it (relative to ``root``, ``/``-separated; ``?`` if ``exc`` names no path)."""
+    name = os.path.relpath(exc.path, root).replace(os.sep, "/") if isinstance(exc.path, str) else "?"
+    return changed_finding(name, str(exc))
 
 
 def _name_signatures(root: str) -> dict[str, tuple[int, int, int, int] | None]:

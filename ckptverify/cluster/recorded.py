@@ -9,7 +9,6 @@ code.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +25,7 @@ def record(root: str, only: frozenset[str], jobs: int, deep: bool) -> tuple[Any,
     passed, the work units of the adoption's digest pass and tensor scan over those files, with their results
     (none if it failed or a file changed: the report says why). ``deep``: of a deep verification instead, the
     verification against the manifest and the tensor scan's units, passed or not. Writes nothing."""
-    from ckptverify.checks.dcp_pipeline import VerificationRun, changed_finding
+    from ckptverify.checks.dcp_pipeline import VerificationRun, changed_under
     from ckptverify.checks.deep import scan_description
     from ckptverify.findings import Report
     from ckptverify.ownfiles.manifest import DEFAULT_BLOCK_BYTES
@@ -56,7 +55,7 @@ def record(root: str, only: frozenset[str], jobs: int, deep: bool) -> tuple[Any,
             recorded.records += [[["unread", t.name], t.unread] for t in desc.tensors.values() if t.unread]
             changed = run.changed_files()
     except FileChangedError as exc:
-        changed = [changed_finding(os.path.relpath(exc.path, root) if isinstance(exc.path, str) else "?", str(exc))]
+        changed = [changed_under(root, exc)]
     finally:
         run.close()
     if changed:
