@@ -304,7 +304,7 @@ def save(
         process_group: the group to save over (default: the default group, if initialized).
         verify: after commit, verify on the coordinator and stamp: a :class:`~ckptverify.options.VerifyOptions` or its
             ``when``: ``"background"`` (returns at once), ``"inline"`` or ``"off"`` (default: the save already digests
-            every byte; :mod:`ckptverify.options.verify`). ``on_failure="raise"`` raises
+            every byte; :mod:`ckptverify.options`). ``on_failure="raise"`` raises
             :class:`~ckptverify.errors.VerifyFailedError` on every rank, from this save when inline, else from the
             next save called with ``"raise"``.
         on_verified: called with every :class:`~ckptverify.verifier.verification.Verification` (coordinator).

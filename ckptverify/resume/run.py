@@ -136,7 +136,7 @@ class Run:
 
         Production: saves every ``save_every`` steps to ``run_dir/step_N``, traces at ``trace`` every
         ``trace_every``, compares replicas (``on_replica_mismatch``), plants ``fault`` (a BitFlip as JSON), and
-        verifies each save per ``verify`` (:mod:`ckptverify.options.verify`; ``background`` so no save stalls),
+        verifies each save per ``verify`` (:mod:`ckptverify.options`; ``background`` so no save stalls),
         waiting for pending verifications at the end. Creates the process group from torchrun's environment if none
         exists. ``resume``: ``auto`` (newest verifying checkpoint; refused if some exist and none verifies),
         ``required`` or ``never``; failing checkpoints are moved aside, never overwritten. A refusal prints why and
