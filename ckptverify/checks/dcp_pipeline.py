@@ -30,7 +30,7 @@ from ckptverify.checks.content import (
 )
 from ckptverify.checks.structure import check_coverage, check_files, check_items, check_tiling, stat_files
 from ckptverify.dcp.layout import Item, Layout
-from ckptverify.dcp.metadata import RANK_METADATA_RE, read_layout
+from ckptverify.dcp.metadata import METADATA_FILE, RANK_METADATA_RE, read_layout
 from ckptverify.errors import ArchiveError, FileChangedError, ManifestError, StorageError, UnsafeFileError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage
 from ckptverify.ownfiles.manifest import MANIFEST_FILE, Manifest, read_manifest
@@ -742,7 +742,7 @@ def _name_signatures(root: str) -> dict[str, tuple[int, int, int, int] | None]:
     except OSError:
         return out
     for name in names:
-        if name in (".metadata", MANIFEST_FILE) or RANK_METADATA_RE.match(name):
+        if name in (METADATA_FILE, MANIFEST_FILE) or RANK_METADATA_RE.match(name):
             try:
                 st = paths.stat(os.path.join(root, name))
                 out[name] = (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)
