@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
-from ckptverify.formats.rundir import Candidate, find_checkpoints
+from ckptverify.formats.rundir import DCP_FORMATS, Candidate, find_checkpoints
 from ckptverify.runs.stamp import SETTLE_SECONDS, files_fingerprint, removed
 from ckptverify.runs.states import GOOD_STATES, INCOMPLETE_CHECKS, STATES, judge_report
 from ckptverify.safeparse import paths
@@ -85,7 +85,7 @@ def _moved_since_walk(path: str, cand: Candidate) -> bool:
 
 def _judge_bytes(root: str, cand: Candidate, jobs: int | None, deep: bool) -> tuple[str, str, dict[str, Any]]:
     path = paths.normpath(os.path.join(root, cand.path))
-    if cand.format in ("dcp", "dcp-uncommitted") or cand.kind == "file":
+    if cand.format in DCP_FORMATS or cand.kind == "file":
         state, report = _judge_path(path, jobs, deep)
         return state, reason_of(state, report), counts_of(report)
     from ckptverify.audit.verify import verify_folder_files
