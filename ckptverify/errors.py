@@ -17,7 +17,7 @@ attribute); anything else is raised as its parent, and the message says what hap
   :class:`StorageError` (``path``), :class:`NotRegularFileError`.
 - Runs: :class:`SaveFailedError` (``failures``).
 - :class:`FindingError`: raised by a reader and turned into a finding, never meant to reach a user
-  (:class:`JSONError`, :class:`BadPickle` (:class:`RefusedPickle`), :class:`UnsafeGlobal`, :class:`ArchiveError`,
+  (:class:`JSONError`, :class:`BadPickle`, :class:`UnsafeGlobal`, :class:`ArchiveError`,
   :class:`TransformError`, :class:`ManifestError`).
 - Warnings: :class:`CkptVerifyWarning` (issued as itself too, a replica mismatch among them),
   :class:`VerifyFailedWarning`.
@@ -150,11 +150,6 @@ class BadPickle(FindingError):
     """A pickle (DCP metadata, a ``torch.save`` data.pkl) is refused: malformed, larger or nested deeper than
     the safe unpicklers allow, asking for more work than its size justifies (a memoized "billion laughs"), or
     not the structure its writer makes. The message says which."""
-
-
-class RefusedPickle(BadPickle, pickle.UnpicklingError):
-    """A ``torch.save`` pickle holds what its reader refuses (the allowlist or a bound said so); a tensor record's
-    reader raises it as an ``UnpicklingError``, a whole file's as a :class:`BadPickle`."""
 
 
 class UnsafeGlobal(FindingError, pickle.UnpicklingError):
