@@ -492,26 +492,18 @@ def _tensor_pieces(entries: list[TensorEntry]) -> tuple[list[str], list[str]]:
             continue
         dtype = _esc(dtype)
         fp = "null" if fp is None else _esc(fp)
-        if nan is None and inf is None:
-            lines.append(f'{{"dtype": {dtype}, "shape": {wide}, "fingerprint": {fp}}}')
-            compact.append(f'{{"dtype":{dtype},"fingerprint":{fp},"shape":{narrow}}}')
-        elif nan is not None and inf is not None:
-            lines.append(f'{{"dtype": {dtype}, "shape": {wide}, "fingerprint": {fp}, "nan_count": {nan}, '
-                         f'"inf_count": {inf}}}')
-            compact.append(f'{{"dtype":{dtype},"fingerprint":{fp},"inf_count":{inf},"nan_count":{nan},'
-                           f'"shape":{narrow}}}')
-        else:
-            line = f'{{"dtype": {dtype}, "shape": {wide}, "fingerprint": {fp}'
-            canon = f'{{"dtype":{dtype},"fingerprint":{fp}'
-            if nan is not None:
-                line += f', "nan_count": {nan}'
-            if inf is not None:
-                line += f', "inf_count": {inf}'
-                canon += f',"inf_count":{inf}'
-            if nan is not None:
-                canon += f',"nan_count":{nan}'
-            lines.append(line + "}")
-            compact.append(canon + f',"shape":{narrow}}}')
+        # Keys in the encoder's order for the line, sorted for the canonical form.
+        line = f'{{"dtype": {dtype}, "shape": {wide}, "fingerprint": {fp}'
+        canon = f'{{"dtype":{dtype},"fingerprint":{fp}'
+        if nan is not None:
+            line += f', "nan_count": {nan}'
+        if inf is not None:
+            line += f', "inf_count": {inf}'
+            canon += f',"inf_count":{inf}'
+        if nan is not None:
+            canon += f',"nan_count":{nan}'
+        lines.append(line + "}")
+        compact.append(canon + f',"shape":{narrow}}}')
     return lines, compact
 
 
