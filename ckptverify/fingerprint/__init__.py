@@ -34,7 +34,6 @@ from ckptverify.fingerprint.logical import (
     set_fingerprint_backend,
     tensor_fingerprint,
 )
-from ckptverify.fingerprint.logical import _dtensor_type as _dtensor_type  # tells a DTensor without torch
 from ckptverify.fingerprint.spec import FINGERPRINT_VERSION
 
 __all__ = [
