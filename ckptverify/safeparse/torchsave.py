@@ -370,9 +370,9 @@ def _is_kind(value: Any, kind: str, part_type: type | None) -> bool:
     return getattr(type(value), "label", None) == kind and getattr(value, "fields", None) is not None
 
 
-def _subclass_header(func: Any, new_type: Any, args: Any, state: Any, part_type: type) -> SubclassHeader:
-    """The :class:`SubclassHeader` of ``_rebuild_from_type_v2`` arguments for an allowlisted subclass whose inner
-    tensors are ``part_type`` records; :class:`BadPickle` otherwise."""
+def _subclass_header(func: Any, new_type: Any, args: Any, state: Any) -> SubclassHeader:
+    """The :class:`SubclassHeader` of ``_rebuild_from_type_v2`` arguments for an allowlisted subclass;
+    :class:`BadPickle` otherwise."""
     if func is not _WRAPPER or type(new_type) is not _SubclassType:
         raise BadPickle("_rebuild_from_type_v2 of something other than an allowlisted tensor subclass")
     if type(args) is not tuple or len(args) != 8:
@@ -386,7 +386,7 @@ def _subclass_header(func: Any, new_type: Any, args: Any, state: Any, part_type:
         raise BadPickle("wrapper subclass view fields are not small non-negative integers")
     if type(state) is not dict or not all(type(k) is str for k in state):
         raise BadPickle("wrapper subclass state is not a dict of attributes")
-    _check_attributes(new_type._label, state, part_type)
+    _check_attributes(new_type._label, state, TensorHeader)
     if state["orig_dtype"].name != dtype.name:
         raise BadPickle(f"{new_type._label} of {dtype.name} records another original dtype")
     names = SUBCLASSES[new_type._label]
@@ -424,15 +424,9 @@ def _allowlist() -> dict[tuple[str, str], Any]:
         allowed[("torch", dtype)] = _DType(f"torch.{dtype}")
     for cls, dtype in LEGACY_STORAGE_DTYPES.items():  # after the dtypes: a storage name is never a dtype name
         allowed[("torch", cls)] = _StorageType(f"torch.{cls}", dtype)
-    for label in SUBCLASSES:
-        module, name = label.rsplit(".", 1)
-        allowed[(module, name)] = _SubclassType(label)
-    for label, values in _ENUMS.items():
-        module, name = label.rsplit(".", 1)
-        allowed[(module, name)] = _enum_global(label, values)
-    for label in _RECORDS:
-        module, name = label.rsplit(".", 1)
-        allowed[(module, name)] = _record_class(label)
+    torchao = [*((label, _SubclassType(label)) for label in SUBCLASSES), *((label, _record_class(label)) for label in
+               _RECORDS), *((label, _enum_global(label, values)) for label, values in _ENUMS.items())]
+    allowed.update((tuple(label.rsplit(".", 1)), stand_in) for label, stand_in in torchao)
     return allowed
 
 
@@ -542,7 +536,7 @@ class _Reader(ReferenceUnpickler):
             return self.unknown_global("torch._tensor", "_rebuild_from_type_v2")(func, new_type, args, state, *rest)
         if rest:
             raise BadPickle(f"a {label} record with extra arguments")
-        return _subclass_header(func, new_type, args, state, TensorHeader)
+        return _subclass_header(func, new_type, args, state)
 
     def _get_layout(self, *args: Any) -> Any:
         if args == ("torch.strided",):
