@@ -27,9 +27,8 @@ from typing import Any
 from ckptverify.errors import FileChangedError, StorageError, UnsafeFileError, UsageError
 from ckptverify.safeparse.fold import Folding
 
-__all__ = ["CONCURRENCY", "JOBS", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "exists",
-           "filesystem", "forget", "isdir", "isfile", "listdir", "put_small", "read_small", "scandir", "stat", "stats",
-           "storage_options"]
+__all__ = ["CONCURRENCY", "JOBS", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "filesystem", "forget",
+           "listdir", "probe", "put_small", "read_small", "scandir", "stat", "stats", "storage_options"]
 
 #: Bytes per ranged request of a pass over an object (:meth:`RemoteFile.fold_at`).
 RANGE_BYTES = 8 << 20
@@ -325,24 +324,13 @@ def scandir(url: str) -> _Scan:
     return _Scan(url, [_Entry(url, e) for e in good], odd)
 
 
-def _probe(url: str, method: str) -> bool:
+def probe(url: str, method: str) -> bool:
+    """fsspec's ``isdir``, ``isfile`` or ``exists`` (``method``) of ``url``; a store failing is a StorageError."""
     fs, path = filesystem(url)
     try:
         return bool(_store_call(url, "a request for the object or prefix", getattr(fs, method), path))
     except (FileNotFoundError, NotADirectoryError):
         return False
-
-
-def isdir(url: str) -> bool:
-    return _probe(url, "isdir")
-
-
-def isfile(url: str) -> bool:
-    return _probe(url, "isfile")
-
-
-def exists(url: str) -> bool:
-    return _probe(url, "exists")
 
 
 def read_small(url: str, limit: int) -> bytes:
