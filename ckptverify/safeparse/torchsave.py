@@ -609,6 +609,20 @@ def _key(k: Any) -> str:
     return str(k) if name is None else str(("dtype", name))
 
 
+def _push_entries(stack: list[tuple[str, Any]], path: str, obj: Any) -> bool:
+    """Push the entries of a dict, list or tuple by their paths, last first (so they pop in order); whether it is one.
+    """
+    if isinstance(obj, dict):
+        entries, name = obj.items(), _key
+    elif isinstance(obj, list | tuple):
+        entries, name = enumerate(obj), str
+    else:
+        return False
+    prefix = f"{path}." if path else ""
+    stack.extend(reversed([(prefix + name(k), v) for k, v in entries]))
+    return True
+
+
 def _walk(scan: PickleScan, budget: Budget) -> None:
     """Name every tensor by its path of keys; each object is visited once (shared references stay linear)."""
     seen: set[int] = set()
@@ -623,13 +637,7 @@ def _walk(scan: PickleScan, budget: Budget) -> None:
             scan.tensors.setdefault(path or "<root>", obj)
         elif isinstance(obj, SubclassHeader):
             scan.subclasses.setdefault(path or "<root>", obj)  # its inner tensors are its parts, not tensors
-        elif isinstance(obj, dict):
-            for k, v in reversed(list(obj.items())):
-                stack.append((f"{path}.{_key(k)}" if path else _key(k), v))
-        elif isinstance(obj, list | tuple):
-            for i in reversed(range(len(obj))):
-                stack.append((f"{path}.{i}" if path else str(i), obj[i]))
-        elif isinstance(obj, Opaque):
+        elif not _push_entries(stack, path, obj) and isinstance(obj, Opaque):
             stack.append((path, obj.state))
             stack.append((path, obj.args))
 
@@ -659,15 +667,9 @@ def leaf_values(root: Any, *, prefix: str = "", limit: int = MAX_VALUES) -> dict
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, dict):
-            for k, v in reversed(list(obj.items())):
-                stack.append((f"{path}.{_key(k)}" if path else _key(k), v))
-        elif type(obj) is _StorageType:
+        if type(obj) is _StorageType:
             out[path or "<root>"] = f"storage-type:{obj.dtype}"  # a storage type, as the unpickler resolved it
-        elif isinstance(obj, list | tuple):
-            for i in reversed(range(len(obj))):
-                stack.append((f"{path}.{i}" if path else str(i), obj[i]))
-        elif isinstance(obj, Opaque):
+        elif not _push_entries(stack, path, obj) and isinstance(obj, Opaque):
             out[f"{path}.__class__" if path else "__class__"] = f"global:{obj.name}"
             stack.append((f"{path}.state" if path else "state", obj.state))
             stack.append((f"{path}.args" if path else "args", obj.args))
