@@ -32,8 +32,8 @@ MAX_WORLD_SIZE = 1 << 20
 _MAX_NAME = 1 << 16
 _MAX_DIMS = 64
 _RANK_METADATA = re.compile(r"__\d{1,9}\.metadata")
-_DIGEST_RE = {"xxh3-128": re.compile(r"[0-9a-f]{32}"), "sha256": re.compile(r"[0-9a-f]{64}")}
 _DIGEST_CHARS = {"xxh3-128": 32, "sha256": 64}
+_DIGEST_RE = {name: re.compile(f"[0-9a-f]{{{n}}}") for name, n in _DIGEST_CHARS.items()}
 _HEX = re.compile(r"[0-9a-f]*")
 
 

@@ -328,20 +328,17 @@ class ReadOnlyFile(Folding):
         if n <= 0 or offset >= self.size:
             return b""
         want = min(n, self.size - offset)
-        kept = self._kept
+        kept = self._kept  # read once: another thread may release it
         if kept is not None:
             data = kept[offset:offset + want]
-            pace = getattr(_local, "pacer", None)
-            if pace is not None:
-                pace(len(data))
-            return data
-        with self._descriptor() as fd:
-            data = os.pread(fd, want, offset)
-            while len(data) < want:  # a short read is legal; a read at end of file inside ``size`` is not
-                more = os.pread(fd, want - len(data), offset + len(data))
-                if not more:
-                    raise self._shrunk(offset + len(data))
-                data += more
+        else:
+            with self._descriptor() as fd:
+                data = os.pread(fd, want, offset)
+                while len(data) < want:  # a short read is legal; a read at end of file inside ``size`` is not
+                    more = os.pread(fd, want - len(data), offset + len(data))
+                    if not more:
+                        raise self._shrunk(offset + len(data))
+                    data += more
         pace = getattr(_local, "pacer", None)
         if pace is not None:  # the deep check rebuilds tensors from these reads: it is paced as the hashing is
             pace(len(data))
