@@ -429,18 +429,15 @@ def cpu_block_lanes(t: torch.Tensor, offsets: Sequence[int], global_shape: Seque
     """A :class:`CpuBlockLanes` over contiguous chunk ``t`` when the compiled kernel would take it now (``auto`` or
     ``compiled``, ready for its dtype: no waiting); else ``None`` (use :func:`fingerprint_lanes_counted`). Its results
     equal those of :func:`fingerprint_lanes_counted`."""
-    if (_compile_failed or _backend == "numpy" or t.device.type != "cpu" or not t.is_contiguous()
-            or t.numel() < COMPILED_BLOCK or _under_dispatch_mode()):
+    stage = cpu_kernel_dtype(t.dtype)
+    if (stage is None or not t.is_contiguous() or not _wants_compiled(t.device, t.numel(), stage)
+            or not _verified.get(("cpu", stage)) or _compiled_fn is None):
         return None
     t, offsets, global_shape = as_real(t, offsets, global_shape)
-    bits = _INT_VIEW_BY_SIZE.get(t.element_size())
-    if bits is None:
-        return None
     geometry = chunk_geometry(t.shape, offsets, global_shape)
-    stage = _stage_dtype(bits)
-    if geometry.run_length < COMPILED_BLOCK or not _verified.get(("cpu", stage)) or _compiled_fn is None:
+    if geometry.run_length < COMPILED_BLOCK:
         return None
-    flat = t.reshape(-1).view(bits)
+    flat = t.reshape(-1).view(_INT_VIEW_BY_SIZE[t.element_size()])
     return CpuBlockLanes(_compiled_fn, flat, geometry, (dtype_seed(name, 0), dtype_seed(name, 1)), stage, screen)
 
 
