@@ -87,13 +87,6 @@ def stats() -> dict[str, int]:
         return dict(_stats)
 
 
-def _count(nbytes: int, retries: int) -> None:
-    with _lock:
-        _stats["requests"] += 1
-        _stats["bytes"] += nbytes
-        _stats["retries"] += retries
-
-
 def _options(protocol: str) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if protocol in ("s3", "s3a") and not (os.environ.get("AWS_RETRY_MODE") or os.environ.get("AWS_MAX_ATTEMPTS")):
@@ -421,18 +414,19 @@ class RemoteFile(Folding):
             if if_match and _precondition_failed(exc):
                 raise FileChangedError(f"{self.path} changed while it was verified: its ETag is no longer "
                                        f"{self._etag} (the object was replaced)", self.path) from None
-            raise self._failed(start, end, exc) from None
-        _count(len(data), retries)
+            raise StorageError(f"{self.path}: the store did not serve bytes {start}-{end - 1} after its retries "
+                               f"({type(exc).__name__}: {str(exc)[:300]}); nothing was judged from them",
+                               self.path) from None
+        with _lock:
+            _stats["requests"] += 1
+            _stats["bytes"] += len(data)
+            _stats["retries"] += retries
         self._last_read = max(self._last_read, time.monotonic())
         if len(data) != end - start:
             got = start + len(data)
             raise FileChangedError(f"{self.path} ends at byte {got} now but was {self.size} bytes when opened",
                                    self.path)
         return bytes(data)
-
-    def _failed(self, start: int, end: int, exc: BaseException) -> StorageError:
-        return StorageError(f"{self.path}: the store did not serve bytes {start}-{end - 1} after its retries "
-                            f"({type(exc).__name__}: {str(exc)[:300]}); nothing was judged from them", self.path)
 
     def _block(self, index: int) -> bytes:
         key = (self._serial, index)
