@@ -198,18 +198,12 @@ def tensor_fingerprint(t: torch.Tensor) -> TensorFingerprint:
     ``NVFP4Tensor``) is fingerprinted by its parts (:mod:`ckptverify.fingerprint.subclass`): ``value`` is a digest,
     not a lane sum (it does not :func:`combine`); ``dtype`` is its outer dtype.
     """
-    from ckptverify.fingerprint import kernels as kern
-    from ckptverify.fingerprint.subclass import dtensor_type, is_wrapper_subclass
+    from ckptverify.fingerprint.subclass import dtensor_type
 
     dtensor = dtensor_type()
     if dtensor is not None and isinstance(t, dtensor):
         return _dtensor_fingerprint(t)
-    if is_wrapper_subclass(t):
-        return _subclass_fingerprint(t)
-    name = kern.dtype_name(t.dtype)
-    shape = list(t.shape)
-    lanes = kern.fingerprint_lanes(t, [0] * len(shape), shape, name)
-    return TensorFingerprint.from_lanes(lanes, name, shape, t.numel())
+    return chunk_fingerprint(t, [0] * len(t.shape), t.shape)  # the one chunk covering it
 
 
 def set_fingerprint_backend(name: str) -> None:
