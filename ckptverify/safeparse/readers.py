@@ -66,7 +66,7 @@ def is_inside(root: str, path: str, *, real_root: str | None = None) -> bool:
     if _resolved_entry(root, path, real_root) is not None:
         return True
     real = os.path.realpath(path)
-    return real != real_root and os.path.commonpath([real_root, real]) == real_root
+    return real != real_root and _under(real_root, real)
 
 
 def _resolved_entry(root: str, path: str, real_root: str) -> tuple[str, os.stat_result] | None:
