@@ -36,24 +36,7 @@ from ckptverify.fingerprint.logical import (
 )
 from ckptverify.fingerprint.spec import FINGERPRINT_VERSION
 
-__all__ = [
-    "ALGORITHMS",
-    "DEFAULT_ALGORITHM",
-    "DEFAULT_BLOCK_SIZE",
-    "FINGERPRINT_VERSION",
-    "BlockDigest",
-    "ByteDigest",
-    "RangeDigest",
-    "TensorFingerprint",
-    "block_digests",
-    "chunk_fingerprint",
-    "combine",
-    "digest_bytes",
-    "digest_file_range",
-    "digest_reader",
-    "get_fingerprint_backend",
-    "new_digest",
-    "part_fingerprints",
-    "set_fingerprint_backend",
-    "tensor_fingerprint",
-]
+__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_BLOCK_SIZE", "FINGERPRINT_VERSION", "BlockDigest", "ByteDigest",
+           "RangeDigest", "TensorFingerprint", "block_digests", "chunk_fingerprint", "combine", "digest_bytes",
+           "digest_file_range", "digest_reader", "get_fingerprint_backend", "new_digest", "part_fingerprints",
+           "set_fingerprint_backend", "tensor_fingerprint"]

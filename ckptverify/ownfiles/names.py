@@ -17,27 +17,9 @@ import tempfile
 from ckptverify.errors import NotRegularFileError
 from ckptverify.safeparse.readers import file_kind
 
-__all__ = [
-    "MANIFEST_FILE",
-    "MANIFEST_TEMP_PREFIX",
-    "METRICS_TEMP_PREFIX",
-    "OWN_FILES",
-    "PARTS_PLAN",
-    "PARTS_PREFIX",
-    "SAVE_MARKER",
-    "STAMP_FILE",
-    "STAMP_TEMP_PREFIX",
-    "SUSPECT_NOTE",
-    "VERIFYING_LOCK",
-    "append_line",
-    "check_replaceable",
-    "open_append",
-    "open_own_dir",
-    "open_read",
-    "own_dir",
-    "own_folder",
-    "write_atomic",
-]
+__all__ = ["MANIFEST_FILE", "MANIFEST_TEMP_PREFIX", "METRICS_TEMP_PREFIX", "OWN_FILES", "PARTS_PLAN", "PARTS_PREFIX",
+           "SAVE_MARKER", "STAMP_FILE", "STAMP_TEMP_PREFIX", "SUSPECT_NOTE", "VERIFYING_LOCK", "append_line",
+           "check_replaceable", "open_append", "open_own_dir", "open_read", "own_dir", "own_folder", "write_atomic"]
 
 #: A checkpoint folder's manifest (``NAME.ckptverify.manifest.json`` beside a single-file checkpoint).
 MANIFEST_FILE = "ckptverify.manifest.json"

@@ -26,17 +26,8 @@ from ckptverify.errors import FileChangedError, UnsafeFileError
 from ckptverify.safeparse.fold import Folding
 from ckptverify.safeparse.paths import is_url
 
-__all__ = [
-    "READ_BYTES",
-    "ReadOnlyFile",
-    "crc32",
-    "crc32_combine",
-    "file_kind",
-    "is_inside",
-    "open_regular",
-    "pacing",
-    "read_small_file",
-]
+__all__ = ["READ_BYTES", "ReadOnlyFile", "crc32", "crc32_combine", "file_kind", "is_inside", "open_regular", "pacing",
+           "read_small_file"]
 
 #: Bytes read per ``preadv`` into the per-thread buffer: a multiple of the page size that fits in L2 cache.
 READ_BYTES = 1 << 20
