@@ -145,18 +145,16 @@ class Manifest:
         # One canonical item order (by file, then offset), so a manifest equals itself read back.
         object.__setattr__(self, "items", tuple(sorted(self.items, key=lambda i: (i.file, i.offset, i.fqn))))
 
+    def _scalars(self) -> dict[str, Any]:
+        """The fields before the sections, in the order they are written."""
+        return {"schema": MANIFEST_SCHEMA, "schema_version": MANIFEST_SCHEMA_VERSION, "created": self.created,
+                "tool_version": self.tool_version, "torch_version": self.torch_version, "source": self.source,
+                "world_size": self.world_size, "digest_algorithm": self.digest_algorithm,
+                "block_bytes": self.block_bytes, "fingerprint_version": self.fingerprint_version}
+
     def to_dict(self) -> dict[str, Any]:
         body = {
-            "schema": MANIFEST_SCHEMA,
-            "schema_version": MANIFEST_SCHEMA_VERSION,
-            "created": self.created,
-            "tool_version": self.tool_version,
-            "torch_version": self.torch_version,
-            "source": self.source,
-            "world_size": self.world_size,
-            "digest_algorithm": self.digest_algorithm,
-            "block_bytes": self.block_bytes,
-            "fingerprint_version": self.fingerprint_version,
+            **self._scalars(),
             "metadata_files": {k: v.to_dict() for k, v in sorted(self.metadata_files.items())},
             "files": {k: v.to_dict() for k, v in sorted(self.files.items())},
             "tensors": {k: v.to_dict() for k, v in sorted(self.tensors.items())},
@@ -404,21 +402,9 @@ def manifest_text(manifest: Manifest) -> str:
     except TypeError:  # a value of another type than its column's (_only): the encoder's own way, same text
         return _dumps_by_line(manifest.to_dict())
     enc = json.JSONEncoder(ensure_ascii=True, allow_nan=True).encode
-    scalars = {
-        "schema": MANIFEST_SCHEMA,
-        "schema_version": MANIFEST_SCHEMA_VERSION,
-        "created": manifest.created,
-        "tool_version": manifest.tool_version,
-        "torch_version": manifest.torch_version,
-        "source": manifest.source,
-        "world_size": manifest.world_size,
-        "digest_algorithm": manifest.digest_algorithm,
-        "block_bytes": manifest.block_bytes,
-        "fingerprint_version": manifest.fingerprint_version,
-    }
     lines: dict[str, str] = {}
     canonical: dict[str, str] = {}
-    for key, value in scalars.items():
+    for key, value in manifest._scalars().items():
         lines[key] = canonical[key] = enc(value)
     for key, (line, compact) in sections.items():
         lines[key], canonical[key] = line, compact
