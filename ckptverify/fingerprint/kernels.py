@@ -212,7 +212,7 @@ def _compiled_kernel(bits_dtype: torch.dtype, device: torch.device,
             return None
         if _compiled_fn is None:
             try:
-                # One thread per call: the caller splits blocks between threads (:func:`_compiled_cpu_lanes`).
+                # One thread per call: the caller splits blocks between threads (:func:`_lanes`).
                 _compiled_fn = torch.compile(_block_lanes, dynamic=False, fullgraph=True,
                                              options={"cpp.threads": 1})
             except Exception as exc:  # pragma: no cover - depends on the environment
@@ -339,8 +339,12 @@ def _lanes(
             # Backend "auto" does not wait for the compilation: the host path takes the chunks until it is ready.
             compiled = _compiled_kernel(stage_dtype, device, wait=_backend == "compiled")
             if compiled is not None:
-                a, b, count = _compiled_cpu_lanes(compiled, flat, geometry, seeds, stage_dtype, screen)
-                return (a, b), count
+                # Blocks split between threads: the kernel is single-threaded (its own OpenMP team ran 3-10x slower
+                # on a busy machine).
+                runner = CpuBlockLanes(compiled, flat, geometry, seeds, stage_dtype, screen)
+                parts = _host_map(runner.run, len(runner.blocks), _host_threads(flat.numel()))
+                lanes = (sum(p[0] for p in parts) & _MASK64, sum(p[1] for p in parts) & _MASK64)
+                return lanes, sum(p[2] for p in parts)
         # One pass in numpy over cache-sized blocks, both lanes at once, on torch's threads' worth of cores.
         got = host_lanes(flat, geometry, seeds)
         _host_bytes += flat.numel() * flat.element_size()
@@ -439,16 +443,6 @@ def cpu_block_lanes(t: torch.Tensor, offsets: Sequence[int], global_shape: Seque
         return None
     flat = t.reshape(-1).view(_INT_VIEW_BY_SIZE[t.element_size()])
     return CpuBlockLanes(_compiled_fn, flat, geometry, (dtype_seed(name, 0), dtype_seed(name, 1)), stage, screen)
-
-
-def _compiled_cpu_lanes(fn: Callable[..., torch.Tensor], flat: torch.Tensor, geometry: _Geometry,
-                        seeds: tuple[int, int], stage_dtype: torch.dtype,
-                        screen: tuple[int, int] | None = None) -> tuple[int, int, int]:
-    """A CPU chunk's lanes through the compiled kernel, blocks split between threads by :func:`_host_map` (the kernel
-    is single-threaded: its own OpenMP team ran 3-10x slower on a busy machine). Third: the ``screen`` count."""
-    runner = CpuBlockLanes(fn, flat, geometry, seeds, stage_dtype, screen)
-    parts = _host_map(runner.run, len(runner.blocks), _host_threads(flat.numel()))
-    return sum(p[0] for p in parts) & _MASK64, sum(p[1] for p in parts) & _MASK64, sum(p[2] for p in parts)
 
 
 def _count_special(bits: torch.Tensor, screen: tuple[int, int]) -> int:
