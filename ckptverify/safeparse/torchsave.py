@@ -494,8 +494,8 @@ class _Reader(ReferenceUnpickler):
     def _rebuild_tensor_v3(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = None,
                            hooks: Any = None, dtype: Any = None, *rest: Any) -> Any:
         """As v2, with the element dtype given (over an untyped storage, sized in bytes)."""
-        name = dtype_name(dtype)
-        if name is None or name not in DTYPE_ITEMSIZE:
+        name = dtype_name(dtype)  # every dtype stand-in names one of DTYPE_ITEMSIZE
+        if name is None:
             raise BadPickle("_rebuild_tensor_v3 without a dtype")
         return self._tensor(storage, offset, size, stride, name)
 
