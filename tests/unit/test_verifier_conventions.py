@@ -21,7 +21,7 @@ from ckptverify.ownfiles import events as ev
 from ckptverify.ownfiles.events import EVENTS_FILE, EVENTS_SCHEMA_VERSION, read_events
 from ckptverify.verifier import background
 from ckptverify.verifier.background import AfterSave, BackgroundVerifier, Task
-from ckptverify.verifier.jobs import CHECK_SAVED, JOBS
+from ckptverify.verifier.jobs import CHECK_SAVED, JOBS, STAMP
 from ckptverify.verifier.stamper import verify_and_stamp
 from ckptverify.verifier.verification import Verification, event_of, unverified
 from ckptverify.verifier.worker import VerifierProcess, serve
@@ -151,9 +151,11 @@ def test_the_stamper_returns_a_verification(tmp_path: Path) -> None:
 
 
 def test_a_task_names_a_job_the_verifier_imports() -> None:
+    import inspect
+
     from ckptverify.verifier.saved import saved_job
 
-    assert JOBS[CHECK_SAVED] is saved_job
+    assert inspect.unwrap(JOBS[CHECK_SAVED]) is saved_job
     with pytest.raises(UsageError, match="no such verification job"):
         Task(job="ckptverify.integrations._core:saved_job", args={}, done=lambda r, w: None)
 
@@ -214,7 +216,8 @@ def test_an_answer_to_another_request_is_not_taken_for_this_one(tmp_path: Path) 
         assert first.passed
         proc = child._proc
         # a stray request ahead of ours: its answer comes first and names another checkpoint
-        proc.stdin.write(json.dumps({"path": str(tmp_path / "elsewhere"), "step": 9, "settle": 0.05}) + "\n")
+        stray = {"path": str(tmp_path / "elsewhere"), "step": 9, "deep": False, "jobs": 1, "settle": 0.05}
+        proc.stdin.write(json.dumps({"job": STAMP, "args": stray}) + "\n")
         proc.stdin.flush()
         out_of_step = child.verify(str(folder), step=1, deep=False, jobs=1, settle=0.05)
         assert out_of_step.verdict == "unverified" and "answered another request" in out_of_step.reason
