@@ -207,6 +207,30 @@ def test_the_verifier_process_runs_the_check_saved_job(tmp_path: Path) -> None:
     assert answer["event"] == "checkpoint-verified" and result.passed and result.stamped and result.bytes_checked > 0
 
 
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_saved_checkpoint_whose_files_change_while_it_is_checked_gets_no_verdict_and_no_stamp(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damaged: bool) -> None:
+    from ckptverify.audit import verify as audit_verify
+    from ckptverify.runs.stamp import stamp_path
+    from ckptverify.verifier.saved import check_saved
+
+    folder = tmp_path / "step_1"
+    cv.save(_state(1.0), folder)
+    if damaged:
+        (folder / ".metadata").write_bytes(b"not a pickle")
+    real = audit_verify.verify_checkpoint
+
+    def verify_while_a_file_arrives(*args: Any, **kwargs: Any) -> Any:
+        report = real(*args, **kwargs)
+        (folder / "late.json").write_text("{}")  # the framework still writing beside the save
+        return report
+
+    monkeypatch.setattr(audit_verify, "verify_checkpoint", verify_while_a_file_arrives)
+    result, _ = check_saved(str(folder), 1, False)
+    assert result.verdict == "unverified" and result.no_verdict == "changed", result
+    assert event_of(result) == ev.CHECKPOINT_UNVERIFIED and not Path(stamp_path(str(folder))).exists()
+
+
 def test_an_answer_to_another_request_is_not_taken_for_this_one(tmp_path: Path) -> None:
     folder = tmp_path / "step_1"
     cv.save(_state(1.0), folder)
