@@ -6,21 +6,10 @@ that does not exist, an environment that cannot run the check. Every error knows
 ends catch :class:`CkptVerifyError` once at the boundary.
 
 A class exists only where some caller tells it apart from its parent (an exit code, an ``except``, an
-attribute); anything else is raised as its parent, and the message says what happened. The tree:
-
-- :class:`CkptVerifyError` (exit 2, could not run, e.g. a workload that crashed or a byte range past the end
-  of its file; raised as itself too) and :class:`UsageError` (bad arguments, or a training target that cannot
-  run; under it :class:`TraceHeaderMismatchError`, :class:`ResumeRefusedError`).
-- Exit 1, a checkpoint failed: :class:`CheckpointRefusedError` (``report``; :class:`ProofFailedError`,
-  ``info``), :class:`VerifyFailedError` (``verification``), :class:`ReplicaMismatchError` (``mismatch``).
-- Files: :class:`CheckpointNotFoundError`, :class:`UnsafeFileError`, :class:`FileChangedError`,
-  :class:`StorageError` (``path``), :class:`NotRegularFileError`.
-- Runs: :class:`SaveFailedError` (``failures``).
-- :class:`FindingError`: raised by a reader and turned into a finding, never meant to reach a user
-  (:class:`JSONError`, :class:`BadPickle` (:class:`RefusedPickle`), :class:`UnsafeGlobal`, :class:`ArchiveError`,
-  :class:`TransformError`, :class:`ManifestError`).
-- Warnings: :class:`CkptVerifyWarning` (issued as itself too, a replica mismatch among them),
-  :class:`VerifyFailedWarning`.
+attribute); anything else is raised as its parent, and the message says what happened. Exit 1 (a checkpoint
+failed): :class:`CheckpointRefusedError`, :class:`VerifyFailedError`, :class:`ReplicaMismatchError`; a
+:class:`FindingError` is raised by a reader and turned into a finding, never meant to reach a user; every other
+error exits 2. Warnings derive from :class:`CkptVerifyWarning`.
 
 A message of several lines (a workload's traceback, an unusable target's) is printed line by line.
 
@@ -150,11 +139,6 @@ class BadPickle(FindingError):
     """A pickle (DCP metadata, a ``torch.save`` data.pkl) is refused: malformed, larger or nested deeper than
     the safe unpicklers allow, asking for more work than its size justifies (a memoized "billion laughs"), or
     not the structure its writer makes. The message says which."""
-
-
-class RefusedPickle(BadPickle, pickle.UnpicklingError):
-    """A ``torch.save`` pickle holds what its reader refuses (the allowlist or a bound said so); a tensor record's
-    reader raises it as an ``UnpicklingError``, a whole file's as a :class:`BadPickle`."""
 
 
 class UnsafeGlobal(FindingError, pickle.UnpicklingError):

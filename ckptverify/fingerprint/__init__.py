@@ -34,27 +34,9 @@ from ckptverify.fingerprint.logical import (
     set_fingerprint_backend,
     tensor_fingerprint,
 )
-from ckptverify.fingerprint.logical import _dtensor_type as _dtensor_type  # tells a DTensor without torch
 from ckptverify.fingerprint.spec import FINGERPRINT_VERSION
 
-__all__ = [
-    "ALGORITHMS",
-    "DEFAULT_ALGORITHM",
-    "DEFAULT_BLOCK_SIZE",
-    "FINGERPRINT_VERSION",
-    "BlockDigest",
-    "ByteDigest",
-    "RangeDigest",
-    "TensorFingerprint",
-    "block_digests",
-    "chunk_fingerprint",
-    "combine",
-    "digest_bytes",
-    "digest_file_range",
-    "digest_reader",
-    "get_fingerprint_backend",
-    "new_digest",
-    "part_fingerprints",
-    "set_fingerprint_backend",
-    "tensor_fingerprint",
-]
+__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_BLOCK_SIZE", "FINGERPRINT_VERSION", "BlockDigest", "ByteDigest",
+           "RangeDigest", "TensorFingerprint", "block_digests", "chunk_fingerprint", "combine", "digest_bytes",
+           "digest_file_range", "digest_reader", "get_fingerprint_backend", "new_digest", "part_fingerprints",
+           "set_fingerprint_backend", "tensor_fingerprint"]

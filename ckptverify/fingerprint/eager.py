@@ -177,37 +177,27 @@ def iter_blocks(flat: torch.Tensor, geometry: _Geometry, block: int) -> Iterator
 # ------------------------------------------------------------------------------------------ eager path
 
 
-class _EagerState:
-    """One chunk's lane sums on its device, accumulated per block without host synchronisation."""
-
-    def __init__(self, device: torch.device, seeds: tuple[int, int], numel: int) -> None:
-        kw: dict = {"dtype": torch.int64, "device": device}
-        self.block = eager_block(device)
-        # column_table[k] = k * K; a row starting at global index r adds r * K on top.
-        width = min(max(ROW_WIDTH, self.block), numel)  # no row is wider
-        self.column_table = torch.arange(width, **kw).mul_(_signed(INDEX_MULTIPLIER))
-        self.seeds = [_signed(s) for s in seeds]
-        self.acc = torch.zeros(2, **kw)
-
-    def add_block(self, blk: _Block) -> None:
-        rows, width = blk.bits.shape
-        w = blk.bits.to(torch.int64)  # sign-extends the element bits to 64
-        if blk.starts is None:
-            starts = torch.arange(rows, dtype=torch.int64, device=w.device).mul_(blk.row_step).add_(blk.first_start)
-        else:
-            starts = blk.starts
-        p = starts.mul(_signed(INDEX_MULTIPLIER))[:, None] + self.column_table[:width]  # g * K, modulo 2**64
-        for lane, mixer in enumerate(LANES):
-            self.acc[lane] += mix_tensor(w ^ (p + self.seeds[lane]), mixer).sum()
-
-
 def eager_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int]) -> tuple[int, int]:
     """The two unsigned lane sums of the chunk ``flat`` (laid out as ``geometry``) in torch operations on its device:
-    the path of devices without a fused kernel, and the reference."""
-    state = _EagerState(flat.device, seeds, flat.numel())
-    for blk in iter_blocks(flat, geometry, state.block):
-        state.add_block(blk)
-    a, b = state.acc.tolist()
+    the path of devices without a fused kernel, and the reference. Sums stay on the device until the end (no host
+    synchronisation per block)."""
+    kw: dict = {"dtype": torch.int64, "device": flat.device}
+    block = eager_block(flat.device)
+    k = _signed(INDEX_MULTIPLIER)
+    # column_table[j] = j * K; a row starting at global index r adds r * K on top.
+    column_table = torch.arange(min(max(ROW_WIDTH, block), flat.numel()), **kw).mul_(k)  # no row is wider
+    lane_seeds = [_signed(s) for s in seeds]
+    acc = torch.zeros(2, **kw)
+    for blk in iter_blocks(flat, geometry, block):
+        rows, width = blk.bits.shape
+        w = blk.bits.to(torch.int64)  # sign-extends the element bits to 64
+        starts = blk.starts
+        if starts is None:
+            starts = torch.arange(rows, **kw).mul_(blk.row_step).add_(blk.first_start)
+        p = starts.mul(k)[:, None] + column_table[:width]  # g * K, modulo 2**64
+        for lane, mixer in enumerate(LANES):
+            acc[lane] += mix_tensor(w ^ (p + lane_seeds[lane]), mixer).sum()
+    a, b = acc.tolist()
     return a & MASK64, b & MASK64
 
 

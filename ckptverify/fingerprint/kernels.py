@@ -212,7 +212,7 @@ def _compiled_kernel(bits_dtype: torch.dtype, device: torch.device,
             return None
         if _compiled_fn is None:
             try:
-                # One thread per call: the caller splits blocks between threads (:func:`_compiled_cpu_lanes`).
+                # One thread per call: the caller splits blocks between threads (:func:`_lanes`).
                 _compiled_fn = torch.compile(_block_lanes, dynamic=False, fullgraph=True,
                                              options={"cpp.threads": 1})
             except Exception as exc:  # pragma: no cover - depends on the environment
@@ -310,49 +310,45 @@ def _lanes(
 ) -> tuple[tuple[int, int], int | None]:
     """A chunk's lane sums and its ``screen`` count (``None`` if not counted or no ``screen``), on ``t``'s device and
     current stream (:func:`~ckptverify.fingerprint.device.device_scope`); refuses unreadable tensors."""
+    global _host_bytes
     with device_scope(t.device):
         check_fingerprintable(t)
-        return _lanes_here(t, offsets, global_shape, name, screen)
+        t, offsets, global_shape = as_real(t.detach(), offsets, global_shape)
+        geometry = chunk_geometry(t.shape, offsets, global_shape)
+        if t.numel() == 0:
+            return (0, 0), 0
+        if t.device.type == "cpu" and t.numel() > SLAB and not t.is_contiguous():
+            return _slab_lanes(t, offsets, global_shape, name, screen)
+        flat = flat_bits(t)
+        seeds = (dtype_seed(name, 0), dtype_seed(name, 1))
+        device = flat.device
+        if device.type != "cpu":
+            if device.type == "cuda":
+                # One fused Triton pass on the GPU (checked against the eager path before first use).
+                from ckptverify.fingerprint import triton_kernel as _fingerprint_triton
 
-
-def _lanes_here(
-    t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int], name: str,
-    screen: tuple[int, int] | None,
-) -> tuple[tuple[int, int], int | None]:
-    """:func:`_lanes`, inside its device scope."""
-    global _host_bytes
-    t, offsets, global_shape = as_real(t.detach(), offsets, global_shape)
-    geometry = chunk_geometry(t.shape, offsets, global_shape)
-    if t.numel() == 0:
-        return (0, 0), 0
-    if t.device.type == "cpu" and t.numel() > SLAB and not t.is_contiguous():
-        return _slab_lanes(t, offsets, global_shape, name, screen)
-    flat = flat_bits(t)
-    seeds = (dtype_seed(name, 0), dtype_seed(name, 1))
-    device = flat.device
-    if device.type != "cpu":
-        if device.type == "cuda":
-            # One fused Triton pass on the GPU (checked against the eager path before first use).
-            from ckptverify.fingerprint import triton_kernel as _fingerprint_triton
-
-            got = _fingerprint_triton.lanes(flat, geometry, seeds)
-            if got is not None:
-                return got, None
-        return eager_lanes(flat, geometry, seeds), None
-    if flat.numel() <= SMALL_NUMPY:
-        # A small chunk: one numpy formula has the smallest fixed cost.
-        return _small_lanes(flat, geometry, seeds), None
-    stage_dtype = _stage_dtype(flat.dtype)
-    if geometry.run_length >= COMPILED_BLOCK and _wants_compiled(device, flat.numel(), stage_dtype):
-        # Backend "auto" does not wait for the compilation: the host path takes the chunks until it is ready.
-        compiled = _compiled_kernel(stage_dtype, device, wait=_backend == "compiled")
-        if compiled is not None:
-            a, b, count = _compiled_cpu_lanes(compiled, flat, geometry, seeds, stage_dtype, screen)
-            return (a, b), count
-    # One pass in numpy over cache-sized blocks, both lanes at once, on torch's threads' worth of cores.
-    got = host_lanes(flat, geometry, seeds)
-    _host_bytes += flat.numel() * flat.element_size()
-    return got, None
+                got = _fingerprint_triton.lanes(flat, geometry, seeds)
+                if got is not None:
+                    return got, None
+            return eager_lanes(flat, geometry, seeds), None
+        if flat.numel() <= SMALL_NUMPY:
+            # A small chunk: one numpy formula has the smallest fixed cost.
+            return _small_lanes(flat, geometry, seeds), None
+        stage_dtype = _stage_dtype(flat.dtype)
+        if geometry.run_length >= COMPILED_BLOCK and _wants_compiled(device, flat.numel(), stage_dtype):
+            # Backend "auto" does not wait for the compilation: the host path takes the chunks until it is ready.
+            compiled = _compiled_kernel(stage_dtype, device, wait=_backend == "compiled")
+            if compiled is not None:
+                # Blocks split between threads: the kernel is single-threaded (its own OpenMP team ran 3-10x slower
+                # on a busy machine).
+                runner = CpuBlockLanes(compiled, flat, geometry, seeds, stage_dtype, screen)
+                parts = _host_map(runner.run, len(runner.blocks), _host_threads(flat.numel()))
+                lanes = (sum(p[0] for p in parts) & _MASK64, sum(p[1] for p in parts) & _MASK64)
+                return lanes, sum(p[2] for p in parts)
+        # One pass in numpy over cache-sized blocks, both lanes at once, on torch's threads' worth of cores.
+        got = host_lanes(flat, geometry, seeds)
+        _host_bytes += flat.numel() * flat.element_size()
+        return got, None
 
 
 #: Staging copy: ``"numpy"`` or ``"torch"`` (``Tensor.copy_``, for ``scripts/bench_save.py --before``); same bytes.
@@ -437,33 +433,16 @@ def cpu_block_lanes(t: torch.Tensor, offsets: Sequence[int], global_shape: Seque
     """A :class:`CpuBlockLanes` over contiguous chunk ``t`` when the compiled kernel would take it now (``auto`` or
     ``compiled``, ready for its dtype: no waiting); else ``None`` (use :func:`fingerprint_lanes_counted`). Its results
     equal those of :func:`fingerprint_lanes_counted`."""
-    if (_compile_failed or _backend == "numpy" or t.device.type != "cpu" or not t.is_contiguous()
-            or t.numel() < COMPILED_BLOCK or _under_dispatch_mode()):
+    stage = cpu_kernel_dtype(t.dtype)
+    if (stage is None or not t.is_contiguous() or not _wants_compiled(t.device, t.numel(), stage)
+            or not _verified.get(("cpu", stage)) or _compiled_fn is None):
         return None
     t, offsets, global_shape = as_real(t, offsets, global_shape)
-    bits = _INT_VIEW_BY_SIZE.get(t.element_size())
-    if bits is None:
-        return None
     geometry = chunk_geometry(t.shape, offsets, global_shape)
-    stage = _stage_dtype(bits)
-    if geometry.run_length < COMPILED_BLOCK or not _verified.get(("cpu", stage)) or _compiled_fn is None:
+    if geometry.run_length < COMPILED_BLOCK:
         return None
-    flat = t.reshape(-1).view(bits)
+    flat = t.reshape(-1).view(_INT_VIEW_BY_SIZE[t.element_size()])
     return CpuBlockLanes(_compiled_fn, flat, geometry, (dtype_seed(name, 0), dtype_seed(name, 1)), stage, screen)
-
-
-def _compiled_cpu_lanes(fn: Callable[..., torch.Tensor], flat: torch.Tensor, geometry: _Geometry,
-                        seeds: tuple[int, int], stage_dtype: torch.dtype,
-                        screen: tuple[int, int] | None = None) -> tuple[int, int, int]:
-    """A CPU chunk's lanes through the compiled kernel, blocks split between threads by :func:`_host_map` (the kernel
-    is single-threaded: its own OpenMP team ran 3-10x slower on a busy machine). Third: the ``screen`` count."""
-    runner = CpuBlockLanes(fn, flat, geometry, seeds, stage_dtype, screen)
-    blocks = runner.blocks
-    threads = max(1, min(_host_threads(flat.numel()), len(blocks)))
-    step = -(-len(blocks) // (threads if threads == 1 else threads * HOST_RANGES_PER_THREAD))
-    ranges = [(lo, min(len(blocks), lo + step)) for lo in range(0, len(blocks), step)]
-    parts = _host_map(runner.run, ranges, threads)
-    return sum(p[0] for p in parts) & _MASK64, sum(p[1] for p in parts) & _MASK64, sum(p[2] for p in parts)
 
 
 def _count_special(bits: torch.Tensor, screen: tuple[int, int]) -> int:
@@ -569,11 +548,13 @@ def _host_threads(numel: int) -> int:
     return max(1, threads)
 
 
-def _host_map(fn: Callable[[int, int], tuple[int, int]], ranges: list[tuple[int, int]],
-              workers: int) -> list[tuple[int, int]]:
-    """``fn(lo, hi)`` per range on at most ``workers`` pooled threads (numpy releases the GIL); each takes the next
-    range when done, so a thread slowed by other work takes fewer."""
+def _host_map(fn: Callable[[int, int], Any], count: int, workers: int) -> list[Any]:
+    """``fn(lo, hi)`` over ranges covering ``[0, count)`` on at most ``workers`` pooled threads (numpy releases the
+    GIL). Several ranges per thread, each taking the next when done: a thread slowed by other work takes fewer."""
     global _host_pool, _host_pool_size
+    workers = max(1, min(workers, count))
+    step = -(-count // (workers if workers == 1 else workers * HOST_RANGES_PER_THREAD))
+    ranges = [(lo, min(count, lo + step)) for lo in range(0, count, step)]
     if workers <= 1 or len(ranges) == 1:
         return [fn(*r) for r in ranges]
     from concurrent.futures import ThreadPoolExecutor
@@ -619,11 +600,6 @@ def host_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int],
         per_block = block // run
         per_run = 0
         nblocks = -(-geometry.num_runs // per_block)
-    threads = threads or _host_threads(flat.numel())
-    threads = max(1, min(threads, nblocks))
-    # Several ranges per thread, taken in turn: on a busy machine a thread that gets less of its core does less.
-    step = -(-nblocks // (threads if threads == 1 else threads * HOST_RANGES_PER_THREAD))
-    ranges = [(lo, min(nblocks, lo + step)) for lo in range(0, nblocks, step)]
     # Both lanes' mixers at once: each constant a column of the two lanes', broadcast along the block.
     both = Mixer(tuple(np.array([[m.shifts[j]] for m in LANES], np.uint64) for j in range(3)),  # type: ignore[arg-type]
                  tuple(np.array([[m.multipliers[j]] for m in LANES], np.uint64) for j in range(2)))  # type: ignore[arg-type]
@@ -671,7 +647,7 @@ def host_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int],
                 acc += np.add.reduce(mix(u, both, xorshift, multiply), axis=1, dtype=np.uint64)
         return int(acc[0]), int(acc[1])
 
-    parts = _host_map(blocks, ranges, threads)
+    parts = _host_map(blocks, nblocks, threads or _host_threads(flat.numel()))
     return sum(p[0] for p in parts) & _MASK64, sum(p[1] for p in parts) & _MASK64
 
 

@@ -4,7 +4,7 @@ tensor is fingerprinted); constants in :mod:`ckptverify.fingerprint.spec`."""
 
 from __future__ import annotations
 
-import sys
+import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -40,10 +40,7 @@ class TensorFingerprint:
     @property
     def complete(self) -> bool:
         """Whether every element of the global shape contributed exactly once (by count)."""
-        n = 1
-        for size in self.shape:
-            n *= size
-        return self.elements == n
+        return self.elements == math.prod(self.shape)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -201,18 +198,12 @@ def tensor_fingerprint(t: torch.Tensor) -> TensorFingerprint:
     ``NVFP4Tensor``) is fingerprinted by its parts (:mod:`ckptverify.fingerprint.subclass`): ``value`` is a digest,
     not a lane sum (it does not :func:`combine`); ``dtype`` is its outer dtype.
     """
-    from ckptverify.fingerprint import kernels as kern
-    from ckptverify.fingerprint.subclass import is_wrapper_subclass
+    from ckptverify.fingerprint.subclass import dtensor_type
 
-    dtensor_type = _dtensor_type()
-    if dtensor_type is not None and isinstance(t, dtensor_type):
+    dtensor = dtensor_type()
+    if dtensor is not None and isinstance(t, dtensor):
         return _dtensor_fingerprint(t)
-    if is_wrapper_subclass(t):
-        return _subclass_fingerprint(t)
-    name = kern.dtype_name(t.dtype)
-    shape = list(t.shape)
-    lanes = kern.fingerprint_lanes(t, [0] * len(shape), shape, name)
-    return TensorFingerprint.from_lanes(lanes, name, shape, t.numel())
+    return chunk_fingerprint(t, [0] * len(t.shape), t.shape)  # the one chunk covering it
 
 
 def set_fingerprint_backend(name: str) -> None:
@@ -257,12 +248,6 @@ def _subclass_fingerprint(t: Any) -> TensorFingerprint:
 
 
 # ------------------------------------------------------------------------------------------- DTensor
-
-
-def _dtensor_type() -> type | None:
-    """``DTensor``, if its module is loaded (a tensor cannot be a DTensor otherwise)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None) if module is not None else None
 
 
 #: A ``_StridedShard`` shard is fingerprinted box by box; beyond this many boxes it is refused, not gathered.
@@ -384,9 +369,7 @@ def _boxes(index: list[Any]) -> list[tuple[tuple[slice, ...], list[int]]]:
     import itertools
 
     per_dim = [_runs(ix) for ix in index]
-    total = 1
-    for runs in per_dim:
-        total *= len(runs)
+    total = math.prod(map(len, per_dim))
     if total > MAX_SHARD_BOXES:
         raise UsageError(f"a DTensor shard made of {total} separate boxes of its global tensor is not fingerprinted "
                          f"(at most {MAX_SHARD_BOXES}); fingerprint its full_tensor() instead")

@@ -24,7 +24,7 @@ from ckptverify.errors import UsageError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Flattened", "canonical", "class_label", "combine_parts", "flatten", "is_wrapper_subclass"]
+__all__ = ["Flattened", "canonical", "class_label", "combine_parts", "dtensor_type", "flatten", "is_wrapper_subclass"]
 
 #: Tensor types that hold their own values (nothing to flatten).
 _PLAIN = frozenset({"Tensor", "Parameter", "Buffer"})
@@ -45,9 +45,14 @@ def is_wrapper_subclass(t: Any) -> bool:
         return False
     if getattr(cls, "__tensor_flatten__", None) is None or class_label(cls) in _NOT_TAKEN_APART:
         return False
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None) if module is not None else None
+    dtensor = dtensor_type()
     return dtensor is None or not isinstance(t, dtensor)
+
+
+def dtensor_type() -> type | None:
+    """``DTensor``, if its module is loaded (a tensor cannot be a DTensor otherwise)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
 
 
 def canonical(value: Any) -> Any:

@@ -11,6 +11,7 @@ back for that call only. ``TRITON_INTERPRET=1`` (set before import) runs it on C
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -139,10 +140,7 @@ def _self_check(bits_dtype: torch.dtype, device: torch.device) -> bool:
     seeds = (dtype_seed("self-check", 0), dtype_seed("self-check", 1))
     # One long run crossing block edges, and a column split of a matrix (many short runs).
     for shape, offsets, gshape in (((3 * BLOCK + 17,), (1 << 33,), ((1 << 34),)), ((37, 301), (5, 123), (64, 512))):
-        n = 1
-        for s in shape:
-            n *= s
-        bits = torch.randint(info.min, info.max, (n,), dtype=bits_dtype, generator=gen)
+        bits = torch.randint(info.min, info.max, (math.prod(shape),), dtype=bits_dtype, generator=gen)
         geometry = eager.chunk_geometry(shape, offsets, gshape)
         got = lanes_of(bits.to(device), geometry, seeds)
         if got != eager.eager_lanes(bits, geometry, seeds):  # pragma: no cover - a miscompilation
@@ -336,11 +334,6 @@ def _plan_for(key: tuple[Any, ...], build: Any) -> _ManyPlan:
     return plan
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The flat integer view as the kernel reads it (copied only if non-contiguous, conjugated or negated)."""
-    return eager.flat_bits(t)
-
-
 def _launch_many(bits: torch.Tensor, table: torch.Tensor, out: torch.Tensor, programs: int) -> None:
     """One launch of the many-tensor kernel: ``programs`` rows of ``table`` over ``bits``, sums into ``out``."""
     _many_kernel[(programs,)](bits, table, out, _signed(INDEX_MULTIPLIER), **_launch_args(), num_warps=8)
@@ -365,7 +358,9 @@ def lanes_many_of(tensors: list[torch.Tensor]) -> torch.Tensor:
     partials = torch.empty((plan.programs + 1, 2), dtype=torch.int64, device=device)
     partials[0].zero_()
     for members, table, first, count in plan.groups:
-        bits = _bits(tensors[members[0]]) if len(members) == 1 else torch.cat([_bits(tensors[m]) for m in members])
+        # Copied only if non-contiguous, conjugated or negated, or to pack several members into one buffer.
+        bits = eager.flat_bits(tensors[members[0]]) if len(members) == 1 else torch.cat(
+            [eager.flat_bits(tensors[m]) for m in members])
         _launch_many(bits, table, partials[1 + first:1 + first + count], count)
         del bits  # the next launch's buffer replaces this one
     # Sums wrap mod 2**64; a member's sum is the difference of running sums at its ends.

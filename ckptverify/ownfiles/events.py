@@ -129,16 +129,11 @@ def event_problem(record: dict[str, Any]) -> str | None:
             return f"{name!r} is {_short(record[name])}, not {what}"
     name = record["event"]
     if name in VERIFICATION_EVENTS:
-        want = _verdict_of(name)
+        want = {CHECKPOINT_VERIFIED: "passed", CHECKPOINT_FAILED: "failed"}.get(name, "unverified")
         if record.get("verdict") != want or record.get("passed", want == "passed") != (want == "passed"):
             return (f"{name!r} with verdict {_short(record.get('verdict'))} and passed "
                     f"{_short(record.get('passed'))}: they disagree")
     return None
-
-
-def _verdict_of(name: str) -> str:
-    """The verdict a verification event of ``name`` (:data:`VERIFICATION_EVENTS`) records."""
-    return {CHECKPOINT_VERIFIED: "passed", CHECKPOINT_FAILED: "failed"}.get(name, "unverified")
 
 
 def _count(hi: int) -> Callable[[Any], bool]:

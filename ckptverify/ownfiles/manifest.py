@@ -32,8 +32,8 @@ MAX_WORLD_SIZE = 1 << 20
 _MAX_NAME = 1 << 16
 _MAX_DIMS = 64
 _RANK_METADATA = re.compile(r"__\d{1,9}\.metadata")
-_DIGEST_RE = {"xxh3-128": re.compile(r"[0-9a-f]{32}"), "sha256": re.compile(r"[0-9a-f]{64}")}
 _DIGEST_CHARS = {"xxh3-128": 32, "sha256": 64}
+_DIGEST_RE = {name: re.compile(f"[0-9a-f]{{{n}}}") for name, n in _DIGEST_CHARS.items()}
 _HEX = re.compile(r"[0-9a-f]*")
 
 
@@ -145,18 +145,16 @@ class Manifest:
         # One canonical item order (by file, then offset), so a manifest equals itself read back.
         object.__setattr__(self, "items", tuple(sorted(self.items, key=lambda i: (i.file, i.offset, i.fqn))))
 
+    def _scalars(self) -> dict[str, Any]:
+        """The fields before the sections, in the order they are written."""
+        return {"schema": MANIFEST_SCHEMA, "schema_version": MANIFEST_SCHEMA_VERSION, "created": self.created,
+                "tool_version": self.tool_version, "torch_version": self.torch_version, "source": self.source,
+                "world_size": self.world_size, "digest_algorithm": self.digest_algorithm,
+                "block_bytes": self.block_bytes, "fingerprint_version": self.fingerprint_version}
+
     def to_dict(self) -> dict[str, Any]:
         body = {
-            "schema": MANIFEST_SCHEMA,
-            "schema_version": MANIFEST_SCHEMA_VERSION,
-            "created": self.created,
-            "tool_version": self.tool_version,
-            "torch_version": self.torch_version,
-            "source": self.source,
-            "world_size": self.world_size,
-            "digest_algorithm": self.digest_algorithm,
-            "block_bytes": self.block_bytes,
-            "fingerprint_version": self.fingerprint_version,
+            **self._scalars(),
             "metadata_files": {k: v.to_dict() for k, v in sorted(self.metadata_files.items())},
             "files": {k: v.to_dict() for k, v in sorted(self.files.items())},
             "tensors": {k: v.to_dict() for k, v in sorted(self.tensors.items())},
@@ -404,21 +402,9 @@ def manifest_text(manifest: Manifest) -> str:
     except TypeError:  # a value of another type than its column's (_only): the encoder's own way, same text
         return _dumps_by_line(manifest.to_dict())
     enc = json.JSONEncoder(ensure_ascii=True, allow_nan=True).encode
-    scalars = {
-        "schema": MANIFEST_SCHEMA,
-        "schema_version": MANIFEST_SCHEMA_VERSION,
-        "created": manifest.created,
-        "tool_version": manifest.tool_version,
-        "torch_version": manifest.torch_version,
-        "source": manifest.source,
-        "world_size": manifest.world_size,
-        "digest_algorithm": manifest.digest_algorithm,
-        "block_bytes": manifest.block_bytes,
-        "fingerprint_version": manifest.fingerprint_version,
-    }
     lines: dict[str, str] = {}
     canonical: dict[str, str] = {}
-    for key, value in scalars.items():
+    for key, value in manifest._scalars().items():
         lines[key] = canonical[key] = enc(value)
     for key, (line, compact) in sections.items():
         lines[key], canonical[key] = line, compact
@@ -492,26 +478,18 @@ def _tensor_pieces(entries: list[TensorEntry]) -> tuple[list[str], list[str]]:
             continue
         dtype = _esc(dtype)
         fp = "null" if fp is None else _esc(fp)
-        if nan is None and inf is None:
-            lines.append(f'{{"dtype": {dtype}, "shape": {wide}, "fingerprint": {fp}}}')
-            compact.append(f'{{"dtype":{dtype},"fingerprint":{fp},"shape":{narrow}}}')
-        elif nan is not None and inf is not None:
-            lines.append(f'{{"dtype": {dtype}, "shape": {wide}, "fingerprint": {fp}, "nan_count": {nan}, '
-                         f'"inf_count": {inf}}}')
-            compact.append(f'{{"dtype":{dtype},"fingerprint":{fp},"inf_count":{inf},"nan_count":{nan},'
-                           f'"shape":{narrow}}}')
-        else:
-            line = f'{{"dtype": {dtype}, "shape": {wide}, "fingerprint": {fp}'
-            canon = f'{{"dtype":{dtype},"fingerprint":{fp}'
-            if nan is not None:
-                line += f', "nan_count": {nan}'
-            if inf is not None:
-                line += f', "inf_count": {inf}'
-                canon += f',"inf_count":{inf}'
-            if nan is not None:
-                canon += f',"nan_count":{nan}'
-            lines.append(line + "}")
-            compact.append(canon + f',"shape":{narrow}}}')
+        # Keys in the encoder's order for the line, sorted for the canonical form.
+        line = f'{{"dtype": {dtype}, "shape": {wide}, "fingerprint": {fp}'
+        canon = f'{{"dtype":{dtype},"fingerprint":{fp}'
+        if nan is not None:
+            line += f', "nan_count": {nan}'
+        if inf is not None:
+            line += f', "inf_count": {inf}'
+            canon += f',"inf_count":{inf}'
+        if nan is not None:
+            canon += f',"nan_count":{nan}'
+        lines.append(line + "}")
+        compact.append(canon + f',"shape":{narrow}}}')
     return lines, compact
 
 

@@ -15,28 +15,11 @@ import stat
 import tempfile
 
 from ckptverify.errors import NotRegularFileError
+from ckptverify.safeparse.readers import file_kind
 
-__all__ = [
-    "MANIFEST_FILE",
-    "MANIFEST_TEMP_PREFIX",
-    "METRICS_TEMP_PREFIX",
-    "OWN_FILES",
-    "PARTS_PLAN",
-    "PARTS_PREFIX",
-    "SAVE_MARKER",
-    "STAMP_FILE",
-    "STAMP_TEMP_PREFIX",
-    "SUSPECT_NOTE",
-    "VERIFYING_LOCK",
-    "append_line",
-    "check_replaceable",
-    "open_append",
-    "open_own_dir",
-    "open_read",
-    "own_dir",
-    "own_folder",
-    "write_atomic",
-]
+__all__ = ["MANIFEST_FILE", "MANIFEST_TEMP_PREFIX", "METRICS_TEMP_PREFIX", "OWN_FILES", "PARTS_PLAN", "PARTS_PREFIX",
+           "SAVE_MARKER", "STAMP_FILE", "STAMP_TEMP_PREFIX", "SUSPECT_NOTE", "VERIFYING_LOCK", "append_line",
+           "check_replaceable", "open_append", "open_own_dir", "open_read", "own_dir", "own_folder", "write_atomic"]
 
 #: A checkpoint folder's manifest (``NAME.ckptverify.manifest.json`` beside a single-file checkpoint).
 MANIFEST_FILE = "ckptverify.manifest.json"
@@ -65,18 +48,9 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
-                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISREG, "a regular file")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
 def _refuse(path: str, mode: int) -> NotRegularFileError:
-    return NotRegularFileError(errno.EEXIST, f"{_kind(mode)}, not a regular file: refusing to write through or "
-                                             f"replace it", path)
+    return NotRegularFileError(errno.EEXIST, f"a {file_kind(mode)}, not a regular file: refusing to write through "
+                                             f"or replace it", path)
 
 
 def check_replaceable(path: str | os.PathLike[str]) -> None:
@@ -150,7 +124,7 @@ def open_own_dir(root: str | os.PathLike[str], *names: str) -> int:
                 if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                     raise
                 mode = os.lstat(name, dir_fd=fd).st_mode
-                raise NotRegularFileError(errno.EEXIST, f"{_kind(mode)}, not a directory: refusing to make "
+                raise NotRegularFileError(errno.EEXIST, f"a {file_kind(mode)}, not a directory: refusing to make "
                                                         "or move anything into it", where) from None
             os.close(fd)
             fd = sub

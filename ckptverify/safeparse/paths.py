@@ -78,12 +78,12 @@ def lstat(path: str) -> os.stat_result:
 
 def isdir(path: str) -> bool:
     """``os.path.isdir``."""
-    return _remote().isdir(path) if is_url(path) else os.path.isdir(path)
+    return _remote().probe(path, "isdir") if is_url(path) else os.path.isdir(path)
 
 
 def isfile(path: str) -> bool:
     """``os.path.isfile``."""
-    return _remote().isfile(path) if is_url(path) else os.path.isfile(path)
+    return _remote().probe(path, "isfile") if is_url(path) else os.path.isfile(path)
 
 
 def islink(path: str) -> bool:
@@ -93,7 +93,7 @@ def islink(path: str) -> bool:
 
 def lexists(path: str) -> bool:
     """``os.path.lexists``."""
-    return _remote().exists(path) if is_url(path) else os.path.lexists(path)
+    return _remote().probe(path, "exists") if is_url(path) else os.path.lexists(path)
 
 
 def exists(path: str) -> bool:

@@ -26,17 +26,8 @@ from ckptverify.errors import FileChangedError, UnsafeFileError
 from ckptverify.safeparse.fold import Folding
 from ckptverify.safeparse.paths import is_url
 
-__all__ = [
-    "READ_BYTES",
-    "ReadOnlyFile",
-    "crc32",
-    "crc32_combine",
-    "file_kind",
-    "is_inside",
-    "open_regular",
-    "pacing",
-    "read_small_file",
-]
+__all__ = ["READ_BYTES", "ReadOnlyFile", "crc32", "crc32_combine", "file_kind", "is_inside", "open_regular", "pacing",
+           "read_small_file"]
 
 #: Bytes read per ``preadv`` into the per-thread buffer: a multiple of the page size that fits in L2 cache.
 READ_BYTES = 1 << 20
@@ -66,7 +57,7 @@ def is_inside(root: str, path: str, *, real_root: str | None = None) -> bool:
     if _resolved_entry(root, path, real_root) is not None:
         return True
     real = os.path.realpath(path)
-    return real != real_root and os.path.commonpath([real_root, real]) == real_root
+    return real != real_root and _under(real_root, real)
 
 
 def _resolved_entry(root: str, path: str, real_root: str) -> tuple[str, os.stat_result] | None:
@@ -112,17 +103,17 @@ def _open_regular(path: str, root: str | None, real_root: str | None) -> tuple[i
         else:
             target = os.path.realpath(path)
         if target == real_root or not _under(real_root, target):
-            raise _unsafe(path, f"{path} resolves to {target}, outside the checkpoint directory {real_root}")
+            raise UnsafeFileError(f"{path} resolves to {target}, outside the checkpoint directory {real_root}", path)
     if before is None:
         before = os.stat(target, follow_symlinks=root is None)
     if not stat.S_ISREG(before.st_mode):
-        raise _unsafe(path, f"{path} is a {file_kind(before.st_mode)}, not a regular file")
+        raise UnsafeFileError(f"{path} is a {file_kind(before.st_mode)}, not a regular file", path)
     # The resolved path holds no link to follow; O_NOFOLLOW makes a link swapped in meanwhile fail (ELOOP).
     fd = os.open(target, _OPEN_FLAGS | (getattr(os, "O_NOFOLLOW", 0) if root is not None else 0))
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
-            raise _changed(path, f"{path} was replaced while it was being opened")
+            raise FileChangedError(f"{path} was replaced while it was being opened", path)
         if root is not None:
             _check_descriptor_inside(fd, path, real_root)
     except BaseException:
@@ -139,7 +130,7 @@ def _check_descriptor_inside(fd: int, path: str, real_root: str) -> None:
     except OSError:
         return  # no /proc: the resolved-path check before opening stands
     if not _under(real_root, opened):
-        raise _unsafe(path, f"{path} was opened at {opened}, outside the checkpoint directory {real_root}")
+        raise UnsafeFileError(f"{path} was opened at {opened}, outside the checkpoint directory {real_root}", path)
 
 
 def read_small_file(path: str, limit: int, *, root: str | None = None) -> bytes:
@@ -155,7 +146,7 @@ def read_small_file(path: str, limit: int, *, root: str | None = None) -> bytes:
     fd, st = open_regular(path, root=root)
     try:
         if st.st_size > limit:
-            raise _unsafe(path, f"{path} is {st.st_size} bytes, more than the {limit} this tool reads for it")
+            raise UnsafeFileError(f"{path} is {st.st_size} bytes, more than the {limit} this tool reads for it", path)
         parts: list[bytes] = []
         total = 0
         while True:
@@ -165,10 +156,10 @@ def read_small_file(path: str, limit: int, *, root: str | None = None) -> bytes:
             parts.append(part)
             total += len(part)
             if total > limit:
-                raise _unsafe(path, f"{path} grew past {limit} bytes while it was read")
+                raise UnsafeFileError(f"{path} grew past {limit} bytes while it was read", path)
         after = os.fstat(fd)
         if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns) or total != st.st_size:
-            raise _changed(path, f"{path} changed while it was read")
+            raise FileChangedError(f"{path} changed while it was read", path)
         return b"".join(parts)
     finally:
         os.close(fd)
@@ -271,7 +262,7 @@ class ReadOnlyFile(Folding):
                 return fd
             os.close(fd)
             how = self._describe(st)
-        raise _changed(self.path, f"{self.path} changed while it was verified: {how}")
+        raise FileChangedError(f"{self.path} changed while it was verified: {how}", self.path)
 
     def _reopen_same(self) -> int | None:
         """Quick reopen: the resolved path still names a regular file of this signature, opened without following links,
@@ -328,20 +319,17 @@ class ReadOnlyFile(Folding):
         if n <= 0 or offset >= self.size:
             return b""
         want = min(n, self.size - offset)
-        kept = self._kept
+        kept = self._kept  # read once: another thread may release it
         if kept is not None:
             data = kept[offset:offset + want]
-            pace = getattr(_local, "pacer", None)
-            if pace is not None:
-                pace(len(data))
-            return data
-        with self._descriptor() as fd:
-            data = os.pread(fd, want, offset)
-            while len(data) < want:  # a short read is legal; a read at end of file inside ``size`` is not
-                more = os.pread(fd, want - len(data), offset + len(data))
-                if not more:
-                    raise self._shrunk(offset + len(data))
-                data += more
+        else:
+            with self._descriptor() as fd:
+                data = os.pread(fd, want, offset)
+                while len(data) < want:  # a short read is legal; a read at end of file inside ``size`` is not
+                    more = os.pread(fd, want - len(data), offset + len(data))
+                    if not more:
+                        raise self._shrunk(offset + len(data))
+                    data += more
         pace = getattr(_local, "pacer", None)
         if pace is not None:  # the deep check rebuilds tensors from these reads: it is paced as the hashing is
             pace(len(data))
@@ -369,7 +357,7 @@ class ReadOnlyFile(Folding):
                 pos += got
 
     def _shrunk(self, at: int) -> FileChangedError:
-        return _changed(self.path, f"{self.path} ends at byte {at} now but was {self.size} bytes when opened")
+        return FileChangedError(f"{self.path} ends at byte {at} now but was {self.size} bytes when opened", self.path)
 
 
 #: Most descriptors held open at once: well under the usual limit of 1024 per process.
@@ -432,14 +420,6 @@ class _Descriptors:
 
 
 _DESCRIPTORS = _Descriptors()
-
-
-def _unsafe(path: str, message: str) -> UnsafeFileError:
-    return UnsafeFileError(message, path)
-
-
-def _changed(path: str, message: str) -> FileChangedError:
-    return FileChangedError(message, path)
 
 
 def _signature(st: os.stat_result) -> tuple[int, int, int, int]:

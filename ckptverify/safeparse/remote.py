@@ -27,9 +27,8 @@ from typing import Any
 from ckptverify.errors import FileChangedError, StorageError, UnsafeFileError, UsageError
 from ckptverify.safeparse.fold import Folding
 
-__all__ = ["CONCURRENCY", "JOBS", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "exists",
-           "filesystem", "forget", "isdir", "isfile", "listdir", "put_small", "read_small", "scandir", "stat", "stats",
-           "storage_options"]
+__all__ = ["CONCURRENCY", "JOBS", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "filesystem", "forget",
+           "listdir", "probe", "put_small", "read_small", "scandir", "stat", "stats", "storage_options"]
 
 #: Bytes per ranged request of a pass over an object (:meth:`RemoteFile.fold_at`).
 RANGE_BYTES = 8 << 20
@@ -86,13 +85,6 @@ def stats() -> dict[str, int]:
     """Ranged requests made, bytes they returned, and retries botocore reported (throttling, errors)."""
     with _lock:
         return dict(_stats)
-
-
-def _count(nbytes: int, retries: int) -> None:
-    with _lock:
-        _stats["requests"] += 1
-        _stats["bytes"] += nbytes
-        _stats["retries"] += retries
 
 
 def _options(protocol: str) -> dict[str, Any]:
@@ -325,24 +317,13 @@ def scandir(url: str) -> _Scan:
     return _Scan(url, [_Entry(url, e) for e in good], odd)
 
 
-def _probe(url: str, method: str) -> bool:
+def probe(url: str, method: str) -> bool:
+    """fsspec's ``isdir``, ``isfile`` or ``exists`` (``method``) of ``url``; a store failing is a StorageError."""
     fs, path = filesystem(url)
     try:
         return bool(_store_call(url, "a request for the object or prefix", getattr(fs, method), path))
     except (FileNotFoundError, NotADirectoryError):
         return False
-
-
-def isdir(url: str) -> bool:
-    return _probe(url, "isdir")
-
-
-def isfile(url: str) -> bool:
-    return _probe(url, "isfile")
-
-
-def exists(url: str) -> bool:
-    return _probe(url, "exists")
 
 
 def read_small(url: str, limit: int) -> bytes:
@@ -433,18 +414,19 @@ class RemoteFile(Folding):
             if if_match and _precondition_failed(exc):
                 raise FileChangedError(f"{self.path} changed while it was verified: its ETag is no longer "
                                        f"{self._etag} (the object was replaced)", self.path) from None
-            raise self._failed(start, end, exc) from None
-        _count(len(data), retries)
+            raise StorageError(f"{self.path}: the store did not serve bytes {start}-{end - 1} after its retries "
+                               f"({type(exc).__name__}: {str(exc)[:300]}); nothing was judged from them",
+                               self.path) from None
+        with _lock:
+            _stats["requests"] += 1
+            _stats["bytes"] += len(data)
+            _stats["retries"] += retries
         self._last_read = max(self._last_read, time.monotonic())
         if len(data) != end - start:
             got = start + len(data)
             raise FileChangedError(f"{self.path} ends at byte {got} now but was {self.size} bytes when opened",
                                    self.path)
         return bytes(data)
-
-    def _failed(self, start: int, end: int, exc: BaseException) -> StorageError:
-        return StorageError(f"{self.path}: the store did not serve bytes {start}-{end - 1} after its retries "
-                            f"({type(exc).__name__}: {str(exc)[:300]}); nothing was judged from them", self.path)
 
     def _block(self, index: int) -> bytes:
         key = (self._serial, index)

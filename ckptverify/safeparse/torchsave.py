@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import xxhash
 
-from ckptverify.errors import BadPickle, RefusedPickle
+from ckptverify.errors import BadPickle
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE, is_row_major, view_extent
 from ckptverify.safeparse.unpickler import Budget, FrozenGlobal, Limits, ReferenceUnpickler, callable_global
 
@@ -51,7 +51,7 @@ LEGACY_STORAGE_DTYPES = {
 
 def _refuse_build(self: Any, state: Any) -> None:
     # A BUILD onto a checked record would rewrite it after its check (a frozen slots dataclass would allow it).
-    raise RefusedPickle(f"data.pkl modifies a {type(self).__name__}")
+    raise BadPickle(f"data.pkl modifies a {type(self).__name__}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +148,7 @@ class _Global(FrozenGlobal):
     """A global of the allowlist (function, dtype, storage type): refuses ``BUILD``."""
 
     __slots__ = ()
-    Refused: ClassVar[type[Exception]] = RefusedPickle
+    Refused: ClassVar[type[Exception]] = BadPickle
     modified: ClassVar[str] = "data.pkl modifies a global ({label})"
 
 
@@ -190,13 +190,13 @@ class _OrderedDict(dict):  # type: ignore[type-arg]
 def _ordered_dict(*args: Any) -> _OrderedDict:
     # Pickled as a call without arguments, then SETITEMS: pairs given here would be hashed unchecked.
     if args:
-        raise RefusedPickle("collections.OrderedDict called with arguments")
+        raise BadPickle("collections.OrderedDict called with arguments")
     return _OrderedDict()
 
 
 def _encode(text: Any, encoding: Any = "latin1") -> bytes:
     if not isinstance(text, str) or encoding != "latin1":
-        raise RefusedPickle("_codecs.encode outside the bytes-in-protocol-2 form")
+        raise BadPickle("_codecs.encode outside the bytes-in-protocol-2 form")
     return text.encode("latin1")
 
 
@@ -289,7 +289,7 @@ _STRIDED = _Layout("torch.strided")
 def _enum_global(label: str, values: frozenset[str]) -> FrozenGlobal:
     def make(value: Any = None, *rest: Any) -> _EnumValue:
         if rest or type(value) is not str or value not in values:
-            raise RefusedPickle(f"{label} has no member {str(value)[:40]!r}")
+            raise BadPickle(f"{label} has no member {str(value)[:40]!r}")
         return _EnumValue(label, value)
 
     return callable_global(_Global, label, make)
@@ -306,12 +306,12 @@ def _record_class(label: str) -> type:
 
     def __setstate__(self: Any, state: Any) -> None:
         if self.fields is not None or type(state) is not dict or not all(type(k) is str for k in state):
-            raise RefusedPickle(f"data.pkl sets unexpected state on {label}")
+            raise BadPickle(f"data.pkl sets unexpected state on {label}")
         _check_attributes(label, state, None)
         object.__setattr__(self, "fields", {k: _canonical(v) for k, v in state.items()})
 
     def __setattr__(self: Any, key: str, value: Any) -> None:
-        raise RefusedPickle(f"data.pkl modifies {label}")
+        raise BadPickle(f"data.pkl modifies {label}")
 
     return type("_Record", (), {"__slots__": ("fields",), "__new__": __new__, "__setstate__": __setstate__,
                                 "__setattr__": __setattr__, "label": label})
@@ -329,7 +329,7 @@ def _canonical(value: Any) -> Any:
     label = getattr(type(value), "label", None)
     if label in _RECORDS and getattr(value, "fields", None) is not None:
         return {"class": label, "fields": value.fields}
-    raise RefusedPickle(f"a tensor subclass attribute of type {type(value).__name__} is not allowed")
+    raise BadPickle(f"a tensor subclass attribute of type {type(value).__name__} is not allowed")
 
 
 def _check_attributes(label: str, state: dict[str, Any], part_type: type | None) -> None:
@@ -340,15 +340,15 @@ def _check_attributes(label: str, state: dict[str, Any], part_type: type | None)
         if key not in kinds and not (key == "_is_param" and value is True and part_type is not None):
             # ``_is_param``: the mark ``nn.Parameter`` leaves on a subclass it wraps, nothing of the values.
             what = "inner tensor" if part_type is not None and isinstance(value, part_type) else "attribute"
-            raise RefusedPickle(f"{label} has no {what} {key[:40]!r}")
+            raise BadPickle(f"{label} has no {what} {key[:40]!r}")
     for key, (kind, optional) in kinds.items():
         if key not in state:
             if optional:
                 continue
-            raise RefusedPickle(f"{label} record without its {key!r}")
+            raise BadPickle(f"{label} record without its {key!r}")
         if not _is_kind(state[key], kind, part_type):
-            raise RefusedPickle(f"a tensor subclass attribute of type {type(state[key]).__name__} is not "
-                                         f"what {label}.{key} holds ({kind.rsplit('.', 1)[-1]})")
+            raise BadPickle(f"a tensor subclass attribute of type {type(state[key]).__name__} is not "
+                            f"what {label}.{key} holds ({kind.rsplit('.', 1)[-1]})")
 
 
 def _is_kind(value: Any, kind: str, part_type: type | None) -> bool:
@@ -370,25 +370,25 @@ def _is_kind(value: Any, kind: str, part_type: type | None) -> bool:
     return getattr(type(value), "label", None) == kind and getattr(value, "fields", None) is not None
 
 
-def _subclass_header(func: Any, new_type: Any, args: Any, state: Any, part_type: type) -> SubclassHeader:
-    """The :class:`SubclassHeader` of ``_rebuild_from_type_v2`` arguments for an allowlisted subclass whose inner
-    tensors are ``part_type`` records; :class:`RefusedPickle` otherwise."""
+def _subclass_header(func: Any, new_type: Any, args: Any, state: Any) -> SubclassHeader:
+    """The :class:`SubclassHeader` of ``_rebuild_from_type_v2`` arguments for an allowlisted subclass;
+    :class:`BadPickle` otherwise."""
     if func is not _WRAPPER or type(new_type) is not _SubclassType:
-        raise RefusedPickle("_rebuild_from_type_v2 of something other than an allowlisted tensor subclass")
+        raise BadPickle("_rebuild_from_type_v2 of something other than an allowlisted tensor subclass")
     if type(args) is not tuple or len(args) != 8:
-        raise RefusedPickle("malformed wrapper subclass arguments")
+        raise BadPickle("malformed wrapper subclass arguments")
     cls, dtype, size, stride, offset, layout, _device, requires_grad = args
     if cls is not new_type or type(dtype) is not _DType or layout is not _STRIDED or type(requires_grad) is not bool:
-        raise RefusedPickle("wrapper subclass arguments name another class, no dtype or another layout")
+        raise BadPickle("wrapper subclass arguments name another class, no dtype or another layout")
     if not isinstance(size, tuple) or not isinstance(stride, tuple) or len(size) > 64 or len(size) != len(stride):
-        raise RefusedPickle("wrapper subclass size or stride is not a short tuple")
+        raise BadPickle("wrapper subclass size or stride is not a short tuple")
     if not all(type(v) is int and 0 <= v < 1 << 63 for v in (offset, *size, *stride)):
-        raise RefusedPickle("wrapper subclass view fields are not small non-negative integers")
+        raise BadPickle("wrapper subclass view fields are not small non-negative integers")
     if type(state) is not dict or not all(type(k) is str for k in state):
-        raise RefusedPickle("wrapper subclass state is not a dict of attributes")
-    _check_attributes(new_type._label, state, part_type)
+        raise BadPickle("wrapper subclass state is not a dict of attributes")
+    _check_attributes(new_type._label, state, TensorHeader)
     if state["orig_dtype"].name != dtype.name:
-        raise RefusedPickle(f"{new_type._label} of {dtype.name} records another original dtype")
+        raise BadPickle(f"{new_type._label} of {dtype.name} records another original dtype")
     names = SUBCLASSES[new_type._label]
     parts = tuple((n, state[n]) for n in names if state.get(n) is not None)
     # ``_is_param`` (see _check_attributes) is not among the attributes the live tensor flattens to.
@@ -424,15 +424,9 @@ def _allowlist() -> dict[tuple[str, str], Any]:
         allowed[("torch", dtype)] = _DType(f"torch.{dtype}")
     for cls, dtype in LEGACY_STORAGE_DTYPES.items():  # after the dtypes: a storage name is never a dtype name
         allowed[("torch", cls)] = _StorageType(f"torch.{cls}", dtype)
-    for label in SUBCLASSES:
-        module, name = label.rsplit(".", 1)
-        allowed[(module, name)] = _SubclassType(label)
-    for label, values in _ENUMS.items():
-        module, name = label.rsplit(".", 1)
-        allowed[(module, name)] = _enum_global(label, values)
-    for label in _RECORDS:
-        module, name = label.rsplit(".", 1)
-        allowed[(module, name)] = _record_class(label)
+    torchao = [*((label, _SubclassType(label)) for label in SUBCLASSES), *((label, _record_class(label)) for label in
+               _RECORDS), *((label, _enum_global(label, values)) for label, values in _ENUMS.items())]
+    allowed.update((tuple(label.rsplit(".", 1)), stand_in) for label, stand_in in torchao)
     return allowed
 
 
@@ -452,7 +446,7 @@ class _Reader(ReferenceUnpickler):
     """The reference unpickler over the allowlist. ``opaque``: a global outside it becomes an :class:`Opaque` class
     (else it is refused). Every global, storage and tensor is charged to the budget."""
 
-    Refused = RefusedPickle
+    Refused = BadPickle
     what = "data.pkl"
 
     def __init__(self, data: bytes, scan: PickleScan, budget: Budget, opaque: bool) -> None:
@@ -469,7 +463,7 @@ class _Reader(ReferenceUnpickler):
     def unknown_global(self, module: str, name: str) -> Any:
         qual = f"{module}.{name}"
         if not self.opaque:
-            raise RefusedPickle(f"{qual} is not part of a tensor record"[:300])
+            raise BadPickle(f"{qual} is not part of a tensor record"[:300])
         self.scan.opaque.add(qual)
         if qual not in self._classes:
             self._classes[qual] = _opaque_class(qual)
@@ -478,20 +472,20 @@ class _Reader(ReferenceUnpickler):
     def persistent(self, pid: Any) -> Any:
         self._budget.charge()
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
-            raise RefusedPickle("a persistent reference that is not a torch storage")
+            raise BadPickle("a persistent reference that is not a torch storage")
         _, kind, key, _location, numel = pid
         if type(kind) is not _StorageType and not self.opaque:
-            raise RefusedPickle("a storage reference without a storage type")
+            raise BadPickle("a storage reference without a storage type")
         dtype = kind.dtype if type(kind) is _StorageType else None
         if type(key) is not str or type(numel) is not int or numel < 0:
-            raise RefusedPickle("a storage reference with a bad key or size")
+            raise BadPickle("a storage reference with a bad key or size")
         ref = self.scan.storages.get(key)
         if ref is None:
             ref = StorageRef(key, dtype, numel)
             self.scan.storages[key] = ref
         elif ref.dtype != dtype:
             # One record read as two storage types would be sized two ways; torch.save never writes that.
-            raise RefusedPickle(f"storage {key[:40]!r} is referenced with two different types")
+            raise BadPickle(f"storage {key[:40]!r} is referenced with two different types")
         return ref
 
     def _rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Any:
@@ -500,9 +494,9 @@ class _Reader(ReferenceUnpickler):
     def _rebuild_tensor_v3(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = None,
                            hooks: Any = None, dtype: Any = None, *rest: Any) -> Any:
         """As v2, with the element dtype given (over an untyped storage, sized in bytes)."""
-        name = dtype_name(dtype)
-        if name is None or name not in DTYPE_ITEMSIZE:
-            raise RefusedPickle("_rebuild_tensor_v3 without a dtype")
+        name = dtype_name(dtype)  # every dtype stand-in names one of DTYPE_ITEMSIZE
+        if name is None:
+            raise BadPickle("_rebuild_tensor_v3 without a dtype")
         return self._tensor(storage, offset, size, stride, name)
 
     def _tensor(self, storage: Any, offset: Any, size: Any, stride: Any, dtype: str | None) -> Any:
@@ -510,27 +504,27 @@ class _Reader(ReferenceUnpickler):
         self._budget.charge()
         if not isinstance(storage, StorageRef):
             if not self.opaque:
-                raise RefusedPickle("tensor without a storage or dtype")
+                raise BadPickle("tensor without a storage or dtype")
             return _opaque_class("torch._utils._rebuild_tensor_v2 (not over a storage)")()
         if type(offset) is not int or not isinstance(size, tuple | list) or not isinstance(stride, tuple | list):
-            raise RefusedPickle("a tensor with a bad offset, shape or stride")
+            raise BadPickle("a tensor with a bad offset, shape or stride")
         shape, strides = tuple(size), tuple(stride)
         # Below 2**63: a LONG4 can carry millions of digits, and the extent multiplies them.
         if len(shape) != len(strides) or len(shape) > 64 or not all(
                 type(v) is int and 0 <= v < 1 << 63 for v in (*shape, *strides, offset)):
-            raise RefusedPickle("a tensor with a bad offset, shape or stride")
+            raise BadPickle("a tensor with a bad offset, shape or stride")
         if dtype is not None and storage.dtype is not None and storage.dtype != dtype:
-            raise RefusedPickle(f"a {dtype} tensor over a {storage.dtype} storage")
+            raise BadPickle(f"a {dtype} tensor over a {storage.dtype} storage")
         numel = storage.numel
         if dtype is not None and storage.dtype is None:
             # torch.save writes dtypes without a legacy typed storage (uint16/32/64, complex32, float8, ...)
             # as an UntypedStorage, whose size is counted in bytes.
             if numel % DTYPE_ITEMSIZE[dtype] and not self.opaque:
-                raise RefusedPickle(f"untyped storage of {numel} bytes does not hold whole {dtype} elements")
+                raise BadPickle(f"untyped storage of {numel} bytes does not hold whole {dtype} elements")
             numel //= DTYPE_ITEMSIZE[dtype]
         dtype = dtype or storage.dtype
         if dtype is None and not self.opaque:
-            raise RefusedPickle("tensor without a storage or dtype")
+            raise BadPickle("tensor without a storage or dtype")
         return TensorHeader(dtype, storage.key, numel, offset, shape, strides)
 
     def _rebuild_from_type(self, func: Any, new_type: Any, args: Any, state: Any = None, *rest: Any) -> Any:
@@ -541,14 +535,14 @@ class _Reader(ReferenceUnpickler):
         if label not in SUBCLASSES and self.opaque:
             return self.unknown_global("torch._tensor", "_rebuild_from_type_v2")(func, new_type, args, state, *rest)
         if rest:
-            raise RefusedPickle(f"a {label} record with extra arguments")
-        return _subclass_header(func, new_type, args, state, TensorHeader)
+            raise BadPickle(f"a {label} record with extra arguments")
+        return _subclass_header(func, new_type, args, state)
 
     def _get_layout(self, *args: Any) -> Any:
         if args == ("torch.strided",):
             return _STRIDED
         if not self.opaque:
-            raise RefusedPickle(f"layout {str(args[0] if args else None)[:40]!r} is not torch.strided")
+            raise BadPickle(f"layout {str(args[0] if args else None)[:40]!r} is not torch.strided")
         return self.unknown_global("torch.serialization", "_get_layout")(*args)
 
 
@@ -602,6 +596,8 @@ def _read_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
             return obj
     except pickle.UnpicklingError:
         raise
+    except BadPickle as exc:  # a record's callers expect what the C unpickler raises, as torch.load does
+        raise pickle.UnpicklingError(str(exc)) from None
     except Exception as exc:  # hostile bytes: any failure is "not a tensor record", never a traceback
         raise pickle.UnpicklingError(f"{type(exc).__name__}: {exc}"[:300]) from None
     raise pickle.UnpicklingError(f"data.pkl holds {type(obj).__name__}, not a tensor")
@@ -611,6 +607,20 @@ def _key(k: Any) -> str:
     """A dict key as a path component; a dtype key as it read before dtypes had stand-ins of their own."""
     name = dtype_name(k)
     return str(k) if name is None else str(("dtype", name))
+
+
+def _push_entries(stack: list[tuple[str, Any]], path: str, obj: Any) -> bool:
+    """Push the entries of a dict, list or tuple by their paths, last first (so they pop in order); whether it is one.
+    """
+    if isinstance(obj, dict):
+        entries, name = obj.items(), _key
+    elif isinstance(obj, list | tuple):
+        entries, name = enumerate(obj), str
+    else:
+        return False
+    prefix = f"{path}." if path else ""
+    stack.extend(reversed([(prefix + name(k), v) for k, v in entries]))
+    return True
 
 
 def _walk(scan: PickleScan, budget: Budget) -> None:
@@ -627,13 +637,7 @@ def _walk(scan: PickleScan, budget: Budget) -> None:
             scan.tensors.setdefault(path or "<root>", obj)
         elif isinstance(obj, SubclassHeader):
             scan.subclasses.setdefault(path or "<root>", obj)  # its inner tensors are its parts, not tensors
-        elif isinstance(obj, dict):
-            for k, v in reversed(list(obj.items())):
-                stack.append((f"{path}.{_key(k)}" if path else _key(k), v))
-        elif isinstance(obj, list | tuple):
-            for i in reversed(range(len(obj))):
-                stack.append((f"{path}.{i}" if path else str(i), obj[i]))
-        elif isinstance(obj, Opaque):
+        elif not _push_entries(stack, path, obj) and isinstance(obj, Opaque):
             stack.append((path, obj.state))
             stack.append((path, obj.args))
 
@@ -663,15 +667,9 @@ def leaf_values(root: Any, *, prefix: str = "", limit: int = MAX_VALUES) -> dict
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, dict):
-            for k, v in reversed(list(obj.items())):
-                stack.append((f"{path}.{_key(k)}" if path else _key(k), v))
-        elif type(obj) is _StorageType:
+        if type(obj) is _StorageType:
             out[path or "<root>"] = f"storage-type:{obj.dtype}"  # a storage type, as the unpickler resolved it
-        elif isinstance(obj, list | tuple):
-            for i in reversed(range(len(obj))):
-                stack.append((f"{path}.{i}" if path else str(i), obj[i]))
-        elif isinstance(obj, Opaque):
+        elif not _push_entries(stack, path, obj) and isinstance(obj, Opaque):
             out[f"{path}.__class__" if path else "__class__"] = f"global:{obj.name}"
             stack.append((f"{path}.state" if path else "state", obj.state))
             stack.append((f"{path}.args" if path else "args", obj.args))

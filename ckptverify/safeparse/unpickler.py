@@ -259,31 +259,20 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
         self.stack[-1][key] = value
 
     def load_setitems(self) -> None:
-        items = self.pop_mark()
+        pairs = self._keyed(self.pop_mark(), "SETITEMS")
         target = self.stack[-1]
-        self._pairs(items, "SETITEMS")
-        hashable = self._hashable
-        for i in range(0, len(items), 2):
-            hashable(items[i])
-            target[items[i]] = items[i + 1]
+        for key, value in pairs:
+            target[key] = value
 
     def load_dict(self) -> None:
-        items = self.pop_mark()
-        self._pairs(items, "DICT")
-        hashable = self._hashable
-        out = {}
-        for i in range(0, len(items), 2):
-            hashable(items[i])
-            out[items[i]] = items[i + 1]
-        self.append(out)
+        value = dict(self._keyed(self.pop_mark(), "DICT"))  # before self.append: pop_mark rebinds it
+        self.append(value)
 
     def load_additems(self) -> None:
-        items = self.pop_mark()
+        items = self._hashables(self.pop_mark())
         target = self.stack[-1]
         if not items:
             return  # as the C unpickler
-        for item in items:
-            self._hashable(item)
         if isinstance(target, set):
             target.update(items)
         else:
@@ -292,10 +281,8 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
                 add(item)
 
     def load_frozenset(self) -> None:
-        items = self.pop_mark()
-        for item in items:
-            self._hashable(item)
-        self.append(frozenset(items))
+        value = frozenset(self._hashables(self.pop_mark()))
+        self.append(value)
 
     def load_frame(self) -> None:
         # The Python unpickler accepts a frame that claims more bytes than remain; the C one does not.
@@ -322,9 +309,17 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
     def _refuse_opcode(self) -> None:
         raise self.Refused(self.refused_opcodes_reason)
 
-    def _pairs(self, items: list[Any], what: str) -> None:
+    def _keyed(self, items: list[Any], what: str) -> zip[tuple[Any, Any]]:
+        """``items`` as (key, value) pairs, each key refused before it is hashed if its hash would be unbounded."""
         if len(items) % 2:
             raise self.Refused(f"odd number of items for {what}")
+        return zip(self._hashables(items[::2]), items[1::2], strict=True)
+
+    def _hashables(self, items: list[Any]) -> list[Any]:
+        hashable = self._hashable
+        for item in items:
+            hashable(item)
+        return items
 
 
 #: The opcodes :class:`ReferenceUnpickler` reads its own way, and the methods that do.

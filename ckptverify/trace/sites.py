@@ -41,9 +41,9 @@ def _unwrap(model: Any) -> Any:
 
 
 def is_dtensor(t: Any) -> bool:
-    from ckptverify.fingerprint import _dtensor_type
+    from ckptverify.fingerprint.subclass import dtensor_type
 
-    dtype = _dtensor_type()
+    dtype = dtensor_type()
     return dtype is not None and isinstance(t, dtype)
 
 

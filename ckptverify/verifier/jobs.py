@@ -1,5 +1,6 @@
-"""Named verifications a :class:`~ckptverify.verifier.background.Task` may request: ``check-saved``
-(:func:`~ckptverify.verifier.saved.saved_job`) and ``verify-part`` (:func:`~ckptverify.verifier.parts.part_job`).
+"""Named verifications the verifier process runs: ``stamp`` (a save's, :func:`stamp_job`), ``check-saved`` (an
+integration's, :func:`~ckptverify.verifier.saved.saved_job`) and ``verify-part``
+(:func:`~ckptverify.verifier.parts.part_job`).
 
 A request names a job, never a module or function: the verifier process (``python -P`` in ``/``) runs only what
 is imported here, so nothing on its standard input can make it import code.
@@ -7,28 +8,58 @@ is imported here, so nothing on its standard input can make it import code.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from ckptverify.errors import UsageError
-from ckptverify.verifier.parts import part_job
+from ckptverify.verifier.parts import part_job, stamp_parts_locked
 from ckptverify.verifier.saved import saved_job
+from ckptverify.verifier.stamper import stamp_locked
+from ckptverify.verifier.throttle import Throttle
 
-__all__ = ["CHECK_SAVED", "JOBS", "VERIFY_PART", "run_job"]
+__all__ = ["CHECK_SAVED", "JOBS", "STAMP", "VERIFY_PART", "run_job", "stamp_job"]
 
+STAMP = "stamp"
 CHECK_SAVED = "check-saved"
 VERIFY_PART = "verify-part"
 
-#: Job name -> the function that runs it, called with the task's ``args`` (JSON values); it returns JSON values.
+
+def stamp_job(path: str, step: int | None, deep: bool, jobs: int | None, settle: float, parts: bool = False,
+              throttle: Throttle | None = None) -> dict[str, Any]:
+    """The ``stamp`` job, a save's verification (the parent holds the verifying lock):
+    :func:`~ckptverify.verifier.stamper.stamp_locked`, or with ``parts``
+    :func:`~ckptverify.verifier.parts.stamp_parts_locked`; the
+    :class:`~ckptverify.verifier.verification.Verification` as JSON values."""
+    verify = stamp_parts_locked if parts else stamp_locked
+    return verify(path, step=step, jobs=jobs or 1, deep=deep, settle=float(settle), throttle=throttle).to_dict()
+
+
+def _paced(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` with its reads paced by the ``throttle`` it is called with (it records no throttling itself)."""
+    from ckptverify.safeparse.readers import pacing
+
+    @functools.wraps(function)
+    def paced(*, throttle: Throttle | None = None, **args: Any) -> Any:
+        with pacing(throttle):
+            return function(**args)
+
+    return paced
+
+
+#: Job name -> the function that runs it, called with the task's ``args`` (JSON values) and ``throttle`` (the
+#: pacing of its reads); it returns JSON values.
 JOBS: dict[str, Callable[..., Any]] = {
-    CHECK_SAVED: saved_job,
-    VERIFY_PART: part_job,
+    STAMP: stamp_job,
+    CHECK_SAVED: _paced(saved_job),
+    VERIFY_PART: _paced(part_job),
 }
 
 
-def run_job(job: str, args: dict[str, Any]) -> Any:
-    """Run the job named ``job`` with ``args``; :class:`~ckptverify.errors.UsageError` when there is no such job."""
+def run_job(job: str, args: dict[str, Any], throttle: Throttle | None = None) -> Any:
+    """Run the job named ``job`` with ``args``, reads paced by ``throttle``;
+    :class:`~ckptverify.errors.UsageError` when there is no such job."""
     function = JOBS.get(job)
     if function is None:
         raise UsageError(f"no such verification job: {job!r} (known: {', '.join(sorted(JOBS))})")
-    return function(**args)
+    return function(**args, throttle=throttle)

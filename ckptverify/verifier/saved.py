@@ -180,14 +180,14 @@ def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: 
     changed = files_fingerprint(root) != before
     if (changed or not report.passed) and deleted_now():
         return was_deleted(root, step, time.perf_counter() - started), {}
-    if not changed:  # else it changed while read: no stamp would be current
-        try:
-            write_stamp(root, report, step=step, fingerprint=before)
-            stamp = stamp_path(root)
-        except OSError as exc:
-            stamp_error = f"{type(exc).__name__}: {exc}"
-    else:
-        stamp_error = "files changed while they were verified"
+    if changed:  # not a verdict on anything: the files verified are not the files there now
+        return unverified(root, step, "changed", "its files changed while it was being verified", deep=deep,
+                          seconds=time.perf_counter() - started), {"fingerprint": fp_note} if fp_note else {}
+    try:
+        write_stamp(root, report, step=step, fingerprint=before)
+        stamp = stamp_path(root)
+    except OSError as exc:
+        stamp_error = f"{type(exc).__name__}: {exc}"
     if background and (_vanished(root) or files_fingerprint(root) != before) and deleted_now():
         # Deleted as the stamp was written (an rmtree listing it before the stamp fails on it): tidy ours too.
         return was_deleted(root, step, time.perf_counter() - started), {}

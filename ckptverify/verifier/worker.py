@@ -2,8 +2,8 @@
 hashing never contends with the training for its GIL. :class:`VerifierProcess` is the parent's side, :func:`main`
 the child's (``python -m ckptverify.verifier.worker [--priority P] [--waiter-nice N] [--hurry-fd FD]``).
 
-One JSON request per stdin line (a verification, or a ``job`` of :data:`~ckptverify.verifier.jobs.JOBS` with
-``args``), one JSON answer per stdout line; stray prints go to stderr. Requests name jobs, never code. Runs
+One JSON request per stdin line (a ``job`` of :data:`~ckptverify.verifier.jobs.JOBS` with ``args``), one JSON
+answer per stdout line; stray prints go to stderr. Requests name jobs, never code. Runs
 without torch at idle priority; a ``seq`` on the hurry pipe (the parent now waits) lifts that request's throttle
 and restores the parent's priority until answered (``urgent`` requests start so), where the system allows raising
 priority again. Ends when stdin closes.
@@ -34,9 +34,6 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
           priority: _Priority | None = None) -> None:
     """Answer each request line of ``requests`` with one line on ``replies``. ``hurried(seq)``: whether the parent asked
     for full speed; ``priority``: set per request."""
-    from ckptverify.runs.stamp import SETTLE_SECONDS
-    from ckptverify.verifier.parts import stamp_parts_locked
-    from ckptverify.verifier.stamper import stamp_locked
 
     def reply(answer: dict[str, Any]) -> None:
         replies.write(json.dumps(answer, default=str) + "\n")
@@ -45,25 +42,14 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
     for line in requests:
         try:
             req = json.loads(line)
-            if priority is not None and isinstance(req, dict):
-                priority.for_request(bool(req.get("urgent")))
-            if isinstance(req, dict) and "job" in req:
-                answer = _run_job(req["job"], req.get("args") or {}, _throttle(req, hurried, priority))
-                reply({**answer, "seq": req.get("seq")})
-                continue
-            path, step, deep = str(req["path"]), req.get("step"), bool(req.get("deep"))
+            job = req["job"]
         except (ValueError, KeyError, TypeError) as exc:
             reply({"protocol_error": f"{type(exc).__name__}: {exc}"})
             continue
-        # ``parts``: the coordinator's side of a verification shared out among nodes.
-        stamp = stamp_parts_locked if req.get("parts") else stamp_locked
-        try:
-            result = stamp(path, step=step, jobs=req.get("jobs") or 1, deep=deep,
-                           settle=float(req.get("settle", SETTLE_SECONDS)), throttle=_throttle(req, hurried, priority))
-        except Exception as exc:  # one request's failure is its result; the process serves the next one
-            result = unverified(path, step, "error", f"the verification itself failed: {type(exc).__name__}: {exc}",
-                                deep=deep)
-        reply({**result.to_dict(), "seq": req.get("seq")})
+        if priority is not None:
+            priority.for_request(bool(req.get("urgent")))
+        answer = _run_job(job, req.get("args") or {}, _throttle(req, hurried, priority))
+        reply({**answer, "seq": req.get("seq")})
 
 
 def _arguments(argv: list[str]) -> tuple[str, int, str | None]:
@@ -127,7 +113,6 @@ def _throttle(req: dict[str, Any], hurried: Callable[[int], bool] | None,
 
 def _run_job(job: object, args: object, throttle: Throttle | None = None) -> dict[str, Any]:
     """Run job ``job`` with ``args``, reads paced by ``throttle``: ``{"result": ...}`` or ``{"call_error": ...}``."""
-    from ckptverify.safeparse.readers import pacing
     from ckptverify.verifier.jobs import JOBS, run_job
 
     if not isinstance(job, str) or job not in JOBS:
@@ -135,8 +120,7 @@ def _run_job(job: object, args: object, throttle: Throttle | None = None) -> dic
     if not isinstance(args, dict):
         return {"call_error": f"the arguments of {job} are not an object: {type(args).__name__}"}
     try:
-        with pacing(throttle):
-            return {"result": run_job(job, args)}
+        return {"result": run_job(job, args, throttle)}
     except Exception as exc:  # one request's failure is its answer; the process serves the next one
         return {"call_error": f"{type(exc).__name__}: {exc}"}
 
@@ -234,17 +218,22 @@ class VerifierProcess:
     def verify(self, path: str, step: int | None, deep: bool, jobs: int, settle: float,
                throttle: Callable[[], bool] | None = None, urgent: Callable[[], bool] | None = None,
                parts: bool = False) -> Verification:
-        """Have ``path`` verified and stamped (``throttle``/``urgent``: see :meth:`_ask`; ``parts``: see
-        :func:`~ckptverify.verifier.parts.stamp_parts_locked`)."""
-        data, why = self._ask({"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle,
-                               "parts": parts}, throttle, urgent)
-        try:
-            result = Verification.from_dict(data) if data is not None else None
-        except TypeError:
-            result, why = None, "the verifier process gave an answer that is not a verification"
-        if result is None:
+        """Have ``path`` verified and stamped (the ``stamp`` job; ``throttle``/``urgent``: see :meth:`_ask`;
+        ``parts``: see :func:`~ckptverify.verifier.parts.stamp_parts_locked`)."""
+        from ckptverify.verifier.jobs import STAMP
+
+        data, why = self._ask({"job": STAMP, "args": {"path": path, "step": step, "deep": deep, "jobs": jobs,
+                                                      "settle": settle, "parts": parts}}, throttle, urgent)
+        if data is None:
             return unverified(path, step, "error", why, deep=deep)
-        return result
+        if "call_error" in data:
+            return unverified(path, step, "error", f"the verification itself failed: {data['call_error']}",
+                              deep=deep)
+        try:
+            return Verification.from_dict(data.get("result"))
+        except TypeError:
+            return unverified(path, step, "error", "the verifier process gave an answer that is not a verification",
+                              deep=deep)
 
     def run(self, job: str, args: dict[str, Any], throttle: Callable[[], bool] | None = None,
             urgent: Callable[[], bool] | None = None) -> Any:

@@ -21,7 +21,7 @@ from ckptverify.ownfiles import events as ev
 from ckptverify.ownfiles.events import EVENTS_FILE, EVENTS_SCHEMA_VERSION, read_events
 from ckptverify.verifier import background
 from ckptverify.verifier.background import AfterSave, BackgroundVerifier, Task
-from ckptverify.verifier.jobs import CHECK_SAVED, JOBS
+from ckptverify.verifier.jobs import CHECK_SAVED, JOBS, STAMP
 from ckptverify.verifier.stamper import verify_and_stamp
 from ckptverify.verifier.verification import Verification, event_of, unverified
 from ckptverify.verifier.worker import VerifierProcess, serve
@@ -151,9 +151,11 @@ def test_the_stamper_returns_a_verification(tmp_path: Path) -> None:
 
 
 def test_a_task_names_a_job_the_verifier_imports() -> None:
+    import inspect
+
     from ckptverify.verifier.saved import saved_job
 
-    assert JOBS[CHECK_SAVED] is saved_job
+    assert inspect.unwrap(JOBS[CHECK_SAVED]) is saved_job
     with pytest.raises(UsageError, match="no such verification job"):
         Task(job="ckptverify.integrations._core:saved_job", args={}, done=lambda r, w: None)
 
@@ -205,6 +207,30 @@ def test_the_verifier_process_runs_the_check_saved_job(tmp_path: Path) -> None:
     assert answer["event"] == "checkpoint-verified" and result.passed and result.stamped and result.bytes_checked > 0
 
 
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_saved_checkpoint_whose_files_change_while_it_is_checked_gets_no_verdict_and_no_stamp(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damaged: bool) -> None:
+    from ckptverify.audit import verify as audit_verify
+    from ckptverify.runs.stamp import stamp_path
+    from ckptverify.verifier.saved import check_saved
+
+    folder = tmp_path / "step_1"
+    cv.save(_state(1.0), folder)
+    if damaged:
+        (folder / ".metadata").write_bytes(b"not a pickle")
+    real = audit_verify.verify_checkpoint
+
+    def verify_while_a_file_arrives(*args: Any, **kwargs: Any) -> Any:
+        report = real(*args, **kwargs)
+        (folder / "late.json").write_text("{}")  # the framework still writing beside the save
+        return report
+
+    monkeypatch.setattr(audit_verify, "verify_checkpoint", verify_while_a_file_arrives)
+    result, _ = check_saved(str(folder), 1, False)
+    assert result.verdict == "unverified" and result.no_verdict == "changed", result
+    assert event_of(result) == ev.CHECKPOINT_UNVERIFIED and not Path(stamp_path(str(folder))).exists()
+
+
 def test_an_answer_to_another_request_is_not_taken_for_this_one(tmp_path: Path) -> None:
     folder = tmp_path / "step_1"
     cv.save(_state(1.0), folder)
@@ -214,7 +240,8 @@ def test_an_answer_to_another_request_is_not_taken_for_this_one(tmp_path: Path) 
         assert first.passed
         proc = child._proc
         # a stray request ahead of ours: its answer comes first and names another checkpoint
-        proc.stdin.write(json.dumps({"path": str(tmp_path / "elsewhere"), "step": 9, "settle": 0.05}) + "\n")
+        stray = {"path": str(tmp_path / "elsewhere"), "step": 9, "deep": False, "jobs": 1, "settle": 0.05}
+        proc.stdin.write(json.dumps({"job": STAMP, "args": stray}) + "\n")
         proc.stdin.flush()
         out_of_step = child.verify(str(folder), step=1, deep=False, jobs=1, settle=0.05)
         assert out_of_step.verdict == "unverified" and "answered another request" in out_of_step.reason
