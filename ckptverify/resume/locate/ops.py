@@ -556,19 +556,25 @@ def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -
         if state_equal is False and not first.produced_in_step:
             return _Verdict("state", first)
         return _Verdict("untraced", first)
-    comm = first.event.comm
-    if comm is None:
+    if first.event.comm is None:
         return _Verdict("op", first)
-    if comm.peer is not None and comm.collective in RECV:
-        via = Via(collective=comm.collective, group=comm.group, seq=comm.seq, senders=(comm.peer,))
-        if _peer_sent_differently(rank, first.event, pairs) is False:
-            return _Verdict("collective", first)
-        return _Verdict("receiver", first, via)
-    senders, complete = _members_differing(rank, first.event, pairs)
-    via = Via(collective=comm.collective, group=comm.group, seq=comm.seq, senders=tuple(senders))
-    if senders or not complete:
-        return _Verdict("receiver", first, via)
-    return _Verdict("collective", first)
+    via, fed = _fed(rank, first.event, pairs)
+    return _Verdict("collective", first) if fed is False else _Verdict("receiver", first, via)
+
+
+def _fed(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> tuple[Via, bool | None]:
+    """The collective or receive ``event`` as a :class:`Via`, and whether another rank fed it a difference
+    (``False``: every member's log shows equal inputs; ``None``: no log tells)."""
+    c = event.comm
+    assert c is not None
+    if c.peer is not None and c.collective in RECV:
+        senders: tuple[int, ...] = (c.peer,)
+        fed = _peer_sent_differently(rank, event, pairs)
+    else:
+        differing, complete = _members_differing(rank, event, pairs)
+        senders = tuple(differing)
+        fed = True if differing else (False if complete else None)
+    return Via(collective=c.collective, group=c.group, seq=c.seq, senders=senders), fed
 
 
 def _members_differing(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> tuple[list[int], bool]:
@@ -624,14 +630,9 @@ def _through_unseen_output(rank: int, first: _First, pairs: Mapping[int, _Pair])
         other = pair.kb.get(e.key)
         if e.comm is None or other is None or not (_unseen(e) or _unseen(other)):
             continue
-        c = e.comm
-        if c.peer is not None and c.collective in RECV:
-            if _peer_sent_differently(rank, e, pairs):
-                return Via(collective=c.collective, group=c.group, seq=c.seq, senders=(c.peer,))
-            continue
-        senders, _ = _members_differing(rank, e, pairs)
-        if senders:
-            return Via(collective=c.collective, group=c.group, seq=c.seq, senders=tuple(senders))
+        via, fed = _fed(rank, e, pairs)
+        if fed:
+            return via
     return None
 
 
