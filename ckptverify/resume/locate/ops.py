@@ -418,18 +418,6 @@ def _by_key(events: Sequence[OpEvent], *, what: str) -> dict[OpKey, OpEvent]:
     return out
 
 
-def _ordered(by_key: Mapping[OpKey, OpEvent]) -> list[tuple[OpKey, OpEvent]]:
-    return sorted(by_key.items(), key=lambda item: item[1].index)
-
-
-def _merged(a: list[tuple[OpKey, OpEvent]], b: list[tuple[OpKey, OpEvent]], in_a: Mapping[OpKey, OpEvent],
-            in_b: Mapping[OpKey, OpEvent]) -> list[tuple[OpKey, str]]:
-    """Both logs in one execution order (:func:`~ckptverify.trace.compare.merged_order`), each key with the side it
-    ran on: ``ab``, ``a`` or ``b``."""
-    order = merged_order([k for k, _ in a], [k for k, _ in b])
-    return [(k, ("a" if k in in_a else "") + ("b" if k in in_b else "")) for k in order]
-
-
 def _same(a: OpEvent, b: OpEvent) -> bool:
     """Fast path: two events of one key identical in everything compared."""
     return (a.inputs == b.inputs and a.outputs == b.outputs and a.shapes == b.shapes and a.dtypes == b.dtypes
@@ -457,11 +445,8 @@ class _Pair:
     def __init__(self, a: Sequence[OpEvent], b: Sequence[OpEvent], *, what: str) -> None:
         self.ka = _by_key(a, what=what)  # checks the records before anything reads them
         self.kb = _by_key(b, what=what)
-        self.ordered_a = _ordered(self.ka)
-        self.ordered_b = _ordered(self.kb)
-        self.a = [e for _, e in self.ordered_a]
-        self.b = [e for _, e in self.ordered_b]
-        self._first: _First | bool | None = False
+        self.a = sorted(self.ka.values(), key=lambda e: e.index)
+        self.b = sorted(self.kb.values(), key=lambda e: e.index)
         self._comm: tuple[dict[tuple[tuple[int, ...], int], OpEvent], ...] | None = None
 
     def comm_event(self, group: tuple[int, ...], seq: int) -> tuple[OpEvent | None, OpEvent | None]:
@@ -477,16 +462,13 @@ class _Pair:
                 if e.comm is not None and e.comm.peer == peer and e.comm.collective not in RECV]
 
     def first(self) -> _First | None:
-        if self._first is False:
-            self._first = self._find_first()
-        return self._first  # type: ignore[return-value]
-
-    def _find_first(self) -> _First | None:
-        merged = _merged(self.ordered_a, self.ordered_b, self.ka, self.kb)
-        for n, (key, side) in enumerate(merged):
-            if side != "ab":
-                event = self.ka[key] if side == "a" else self.kb[key]
-                return _First("one-sided", event, None, side=side, last_equal=self._last_equal(merged, n))
+        """Walks both logs in one execution order (:func:`~ckptverify.trace.compare.merged_order`)."""
+        merged = merged_order([e.key for e in self.a], [e.key for e in self.b])
+        for n, key in enumerate(merged):
+            if key not in self.kb or key not in self.ka:
+                side = "a" if key in self.ka else "b"
+                return _First("one-sided", (self.ka if side == "a" else self.kb)[key], None, side=side,
+                              last_equal=self._last_equal(merged, n))
             ea, eb = self.ka[key], self.kb[key]
             if _same(ea, eb):
                 continue
@@ -508,14 +490,14 @@ class _Pair:
                 return _First("outputs", ea, eb, output=output, last_equal=self._last_equal(merged, n))
         return None
 
-    def _last_equal(self, merged: list[tuple[OpKey, str]], n: int) -> OpEvent | None:
-        return self.ka[merged[n - 1][0]] if n > 0 else None
+    def _last_equal(self, merged: list[OpKey], n: int) -> OpEvent | None:
+        return self.ka[merged[n - 1]] if n > 0 else None
 
-    def _values_before(self, merged: list[tuple[OpKey, str]], n: int) -> tuple[set[int], set[int]]:
+    def _values_before(self, merged: list[OpKey], n: int) -> tuple[set[int], set[int]]:
         """Outputs of the equal ops before position ``n``, and all their values: values both sides had."""
         produced: set[int] = set()
         seen: set[int] = set()
-        for key, _ in merged[:n]:
+        for key in merged[:n]:
             for e in (self.ka[key], self.kb[key]):
                 produced.update(x for x in e.outputs if x is not None)
                 seen.update(x for x in e.inputs if x is not None)
