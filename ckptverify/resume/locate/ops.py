@@ -465,33 +465,28 @@ class _Pair:
         """Walks both logs in one execution order (:func:`~ckptverify.trace.compare.merged_order`)."""
         merged = merged_order([e.key for e in self.a], [e.key for e in self.b])
         for n, key in enumerate(merged):
-            if key not in self.kb or key not in self.ka:
-                side = "a" if key in self.ka else "b"
-                return _First("one-sided", (self.ka if side == "a" else self.kb)[key], None, side=side,
-                              last_equal=self._last_equal(merged, n))
-            ea, eb = self.ka[key], self.kb[key]
-            if _same(ea, eb):
+            ea, eb = self.ka.get(key), self.kb.get(key)
+            if ea is not None and eb is not None and _same(ea, eb):
                 continue
+            last_equal = self.ka[merged[n - 1]] if n > 0 else None
+            if ea is None or eb is None:
+                return _First("one-sided", ea or self.kb[key], None, side="a" if eb is None else "b",
+                              last_equal=last_equal)
             if _inputs_differ(ea, eb):
                 produced, seen = self._values_before(merged, n)
                 pairs = [(x, y) for x, y in zip(ea.inputs, eb.inputs, strict=False) if _differs(x, y)]
                 # Each side read a value both sides had: a changed call, not an outside change.
                 rewired = len(ea.inputs) != len(eb.inputs) or all(x in seen and y in seen for x, y in pairs)
                 made = any(x in produced or y in produced for x, y in pairs)
-                return _First("inputs", ea, eb, last_equal=self._last_equal(merged, n), produced_in_step=made,
-                              rewired=rewired)
+                return _First("inputs", ea, eb, last_equal=last_equal, produced_in_step=made, rewired=rewired)
             output = _output_difference(ea, eb)
             arguments = _argument_difference(ea, eb)
             # An argument that changes nothing is no difference; one whose effect was not compared is.
             if arguments and (output is not None or not (_compared(ea) and _compared(eb))):
-                return _First("arguments", ea, eb, output=output, arguments=arguments,
-                              last_equal=self._last_equal(merged, n))
+                return _First("arguments", ea, eb, output=output, arguments=arguments, last_equal=last_equal)
             if output is not None:
-                return _First("outputs", ea, eb, output=output, last_equal=self._last_equal(merged, n))
+                return _First("outputs", ea, eb, output=output, last_equal=last_equal)
         return None
-
-    def _last_equal(self, merged: list[OpKey], n: int) -> OpEvent | None:
-        return self.ka[merged[n - 1]] if n > 0 else None
 
     def _values_before(self, merged: list[OpKey], n: int) -> tuple[set[int], set[int]]:
         """Outputs of the equal ops before position ``n``, and all their values: values both sides had."""
