@@ -284,24 +284,21 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
     jobs = [(t, dataclasses.replace(c, device=device)) for t, c in jobs]
     with tempfile.TemporaryDirectory(prefix="ckptverify-rendezvous-") as rendezvous:
         args = (nproc, os.path.join(rendezvous, "store"), _unused_port(), jobs, device, dict(os.environ))
-        how = start_method()
         try:
-            if timeout_s is None:
-                mp.start_processes(_worker, args=args, nprocs=nproc, join=True, start_method=how)
-            else:
-                _join_within(mp.start_processes(_worker, args=args, nprocs=nproc, join=False,
-                                                start_method=how), timeout_s, jobs)
+            _join_within(mp.start_processes(_worker, args=args, nprocs=nproc, join=False,
+                                            start_method=start_method()), timeout_s, jobs)
         except CkptVerifyError:  # a time limit passed: said already
             raise
         except Exception as exc:
             _raise_failure(jobs, exc)
 
 
-def _join_within(context: Any, timeout_s: float, jobs: list[tuple[str, RunConfig]]) -> None:
-    """Join the ranks of ``context``; past ``timeout_s`` kill those still running (ours only) and raise."""
+def _join_within(context: Any, timeout_s: float | None, jobs: list[tuple[str, RunConfig]]) -> None:
+    """Join the ranks of ``context``; past ``timeout_s`` (``None``: never) kill those still running (ours only) and
+    raise."""
     import time
 
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
     while not context.join(timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
         if time.monotonic() >= deadline:
             for p in context.processes:
