@@ -21,7 +21,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ckptverify.errors import ResumeRefusedError, UsageError
@@ -86,13 +86,6 @@ def rank_files(trace_dir: str | None, kind: str, ext: str = ".json") -> dict[int
     return dict(sorted(out.items()))
 
 
-@dataclass
-class _Progress:
-    step: int = 0
-    restored_from: str | None = None
-    saved: list[str] = field(default_factory=list)
-
-
 _harness_config: RunConfig | None = None
 
 
@@ -114,7 +107,9 @@ class Run:
     def __init__(self, config: RunConfig | None = None) -> None:
         self.config = config or RunConfig()
         self.state: Any = None
-        self._p = _Progress()
+        self._step = 0
+        self._restored_from: str | None = None
+        self._saved: list[str] = []
         self._recorder: Any = None
         self._production: Any = None
         self._picked: Any = None
@@ -188,7 +183,7 @@ class Run:
     @property
     def step(self) -> int:
         """Steps completed so far (restored from the checkpoint when resuming)."""
-        return self._p.step
+        return self._step
 
     @property
     def rank(self) -> int:
@@ -258,15 +253,15 @@ class Run:
                 if picked is not self._picked:  # fell back: start, saves and trace segment follow the pick
                     self._picked = picked
                     self.config = _production_config(self._production.options, self.config.workload, picked)
-            self._p.restored_from = self.config.resume_from
+            self._restored_from = self.config.resume_from
             self._write_json(f"restore-rank{self._rank}.json", report.to_dict())
             notes["restored"] = _start_values(state)
-        self._p.step = state.counters.step
+        self._step = state.counters.step
         self._notes = notes
         self._write_json(f"notes-rank{self._rank}.json", self._notes)
         if self._production is not None:
             # Before the trace hooks: a planted fault must precede the trace's view, as a real one would.
-            self._production.began(state, self._p.restored_from)
+            self._production.began(state, self._restored_from)
         self._open_trace()
 
     def steps(self, loader: Iterable[Any] | None = None, *, micro_batches: int = 1) -> Iterator[Any]:
@@ -288,12 +283,12 @@ class Run:
         if self._sampler is None and registered is not None:
             self._sampler = find_resumable_sampler(registered)
         if loader is None:
-            it: Iterator[Any] = itertools.count(self._p.step + 1)
+            it: Iterator[Any] = itertools.count(self._step + 1)
         else:
             it = _epochs(loader, self.state)
             # Creating the iterator draws a base seed; the uninterrupted run drew it before the checkpoint, so
             # a resumed run must not draw it again.
-            resumed = self._p.restored_from is not None and self.state is not None
+            resumed = self._restored_from is not None and self.state is not None
             if resumed:
                 from ckptverify.state.rng import capture_rng, restore_rng
 
@@ -303,7 +298,7 @@ class Run:
             if resumed:
                 restore_rng(before, self.state.rng.generators)
         self._pending = False
-        while stop is None or self._p.step < stop:
+        while stop is None or self._step < stop:
             if self._pending:
                 raise UsageError("call run.record(...) once at the end of every step")
             if micro_batches == 1:
@@ -315,9 +310,9 @@ class Run:
                 return
             self._pending = True
             if self._recorder is not None:
-                if self._traced(self._p.step + 1):
+                if self._traced(self._step + 1):
                     # Before the step draws anything: a random stream that differs here is a cause.
-                    self._recorder.record_step_start(self.state, step=self._p.step + 1)
+                    self._recorder.record_step_start(self.state, step=self._step + 1)
                 else:
                     self._recorder.begin_skipped_step()
             yield item
@@ -329,23 +324,23 @@ class Run:
         self._pending = False
         if self._bindings is not None:
             self._check_replaced()
-        self._p.step += 1
+        self._step += 1
         if self.state is not None:
-            self.state.counters.step = self._p.step
+            self.state.counters.step = self._step
         values = dict(metrics)
         if loss is not None:
             values["loss"] = loss
-        traced = self._traced(self._p.step)
+        traced = self._traced(self._step)
         if self._recorder is not None:
             if traced:
-                self._recorder.record_step(self._p.step, metrics=values, batch=batch,
+                self._recorder.record_step(self._step, metrics=values, batch=batch,
                                            state=self.state if self.config.level != "metrics" else None,
                                            batch_indices=self._batch_indices())
             else:
                 self._recorder.skip_step()
         if self._production is not None:
-            self._production.stepped(self._p.step, traced=traced)
-        if self._p.step in self.config.save_at:
+            self._production.stepped(self._step, traced=traced)
+        if self._step in self.config.save_at:
             self._save()
 
     def _batch_indices(self) -> list[Any] | None:
@@ -366,8 +361,8 @@ class Run:
             self._write_held(frame)
             del frame  # its locals (model, loader, workers) go as the function's own would
         if self.config.trace_dir and self._rank == 0:
-            self._write_json("run.json", {"name": self.config.name, "steps": self._p.step,
-                                          "saved": self._p.saved, "world_size": self._world})
+            self._write_json("run.json", {"name": self.config.name, "steps": self._step,
+                                          "saved": self._saved, "world_size": self._world})
         if self._owns_group:
             import torch.distributed as dist
 
@@ -377,7 +372,7 @@ class Run:
             self._owns_group = False
         if self._production is not None:
             # After the group is gone: rank 0 may wait for verifications longer than a collective would.
-            self._production.close(self._p.step)
+            self._production.close(self._step)
             self._production = None
 
     def _check_replaced(self) -> None:
@@ -398,7 +393,7 @@ class Run:
                           f"saves and restores the {r['registered_type']} it was given as {r['field']}, not the "
                           f"one the loop uses; build it before run.restore(state), or register the new one",
                           CkptVerifyWarning, stacklevel=3)
-        self._notes["replaced"] = [{**r, "step": self._p.step + 1} for r in replaced]
+        self._notes["replaced"] = [{**r, "step": self._step + 1} for r in replaced]
         self._write_json(f"notes-rank{self._rank}.json", self._notes)
 
     def _write_held(self, frame: Any) -> None:
@@ -423,9 +418,9 @@ class Run:
 
             if not dist.is_initialized():
                 raise UsageError(f"the harness runs {self._world} ranks, but the process group was destroyed before "
-                                 f"the checkpoint of step {self._p.step}: leave destroy_process_group() to the "
+                                 f"the checkpoint of step {self._step}: leave destroy_process_group() to the "
                                  "harness (or call it only after the last run.record)")
-        path = checkpoint_path(self.config.checkpoint_dir, self._p.step)
+        path = checkpoint_path(self.config.checkpoint_dir, self._step)
         if self.state.model is not None and self.config.trace_dir:
             from ckptverify.state.train_state import pending_gradients
 
@@ -433,16 +428,16 @@ class Run:
             names, count = pending_gradients(self.state.model)
             if count:
                 self._notes.setdefault("pending_gradients", []).append(
-                    {"step": self._p.step, "count": count, "names": names})
+                    {"step": self._step, "count": count, "names": names})
                 self._write_json(f"notes-rank{self._rank}.json", self._notes)
         if self._recorder is not None:
             self._recorder.flush()
         if self._production is not None:
-            self._production.before_save(self._p.step, path)  # never over a checkpoint; notes a suspect one
+            self._production.before_save(self._step, path)  # never over a checkpoint; notes a suspect one
         save(self.state, path, **(self._production.save_options() if self._production is not None else {}))
-        self._p.saved.append(path)
+        self._saved.append(path)
         if self._production is not None:
-            self._production.saved(self._p.step, path)
+            self._production.saved(self._step, path)
 
     def _open_trace(self) -> None:
         if not self.config.trace_dir or self._recorder is not None:
