@@ -120,6 +120,8 @@ class Run:
         #: Until the first ``record``: that frame and its bindings of registered objects (to spot rebuilds).
         self._bindings: Any = None
         self._notes: dict[str, Any] = {}
+        self._pending = False  # a step yielded and not yet recorded
+        self._sampler: Any = None
 
     @classmethod
     def main(cls, train: Callable[[Run], None], *, steps: int | None = None, run_dir: str | None = None,
@@ -319,7 +321,7 @@ class Run:
 
     def record(self, *, loss: Any = None, batch: Any = None, **metrics: Any) -> None:
         """End of a step: record the trace row, advance the step counter, save if this step is planned."""
-        if not getattr(self, "_pending", False):
+        if not self._pending:
             raise UsageError("run.record() must be called once per step yielded by run.steps()")
         self._pending = False
         if self._bindings is not None:
@@ -345,8 +347,7 @@ class Run:
 
     def _batch_indices(self) -> list[Any] | None:
         """``[epoch, indices]`` of the last batch the tracked ``ResumableSampler`` handed out; ``None`` without one."""
-        sampler = getattr(self, "_sampler", None)
-        last = sampler.last_batch() if sampler is not None else None
+        last = self._sampler.last_batch() if self._sampler is not None else None
         return None if last is None else [last[0], last[1]]
 
     def _traced(self, step: int) -> bool:
