@@ -115,9 +115,9 @@ def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, 
         if nproc > 1 and dist.is_initialized():
             _abandon_group(dist)
         raise
-    if nproc > 1 and dist.is_initialized():
-        dist.destroy_process_group()
     if nproc > 1:
+        if dist.is_initialized():
+            dist.destroy_process_group()
         # Skip interpreter teardown: gloo threads left alive after FSDP2/DDP sometimes SIGABRT it, failing a
         # check that passed.
         sys.stdout.flush()
@@ -279,9 +279,7 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
     _check_devices(nproc, device)
     for target in dict.fromkeys(t for t, _ in jobs):
         check_target(target)
-    if _log_dir is not None:
-        jobs = [(t, c if c.log_dir else dataclasses.replace(c, log_dir=_log_dir)) for t, c in jobs]
-    jobs = [(t, dataclasses.replace(c, device=device)) for t, c in jobs]
+    jobs = [(t, dataclasses.replace(c, device=device, log_dir=c.log_dir or _log_dir)) for t, c in jobs]
     with tempfile.TemporaryDirectory(prefix="ckptverify-rendezvous-") as rendezvous:
         args = (nproc, os.path.join(rendezvous, "store"), _unused_port(), jobs, device, dict(os.environ))
         try:
