@@ -368,6 +368,16 @@ def _argument_difference(a: OpEvent, b: OpEvent) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
+def _own_difference(a: OpEvent, b: OpEvent) -> tuple[dict[str, Any] | None, tuple[dict[str, Any], ...]] | None:
+    """``(first differing output, arguments that count)`` of two events with equal inputs; ``None``: equal."""
+    output = _output_difference(a, b)
+    arguments = _argument_difference(a, b)
+    # An argument that changes nothing is no difference; one whose effect was not compared is.
+    if arguments and output is None and _compared(a) and _compared(b):
+        arguments = ()
+    return (output, arguments) if output is not None or arguments else None
+
+
 def _compared(e: OpEvent) -> bool:
     """Whether any output of ``e`` was fingerprinted (an artifact's is not)."""
     return any(x is not None for x in e.outputs)
@@ -479,13 +489,11 @@ class _Pair:
                 rewired = len(ea.inputs) != len(eb.inputs) or all(x in seen and y in seen for x, y in pairs)
                 made = any(x in produced or y in produced for x, y in pairs)
                 return _First("inputs", ea, eb, last_equal=last_equal, produced_in_step=made, rewired=rewired)
-            output = _output_difference(ea, eb)
-            arguments = _argument_difference(ea, eb)
-            # An argument that changes nothing is no difference; one whose effect was not compared is.
-            if arguments and (output is not None or not (_compared(ea) and _compared(eb))):
-                return _First("arguments", ea, eb, output=output, arguments=arguments, last_equal=last_equal)
-            if output is not None:
-                return _First("outputs", ea, eb, output=output, last_equal=last_equal)
+            own = _own_difference(ea, eb)
+            if own is not None:
+                output, arguments = own
+                return _First("arguments" if arguments else "outputs", ea, eb, output=output, arguments=arguments,
+                              last_equal=last_equal)
         return None
 
     def _values_before(self, merged: list[OpKey], n: int) -> tuple[set[int], set[int]]:
@@ -744,10 +752,7 @@ def _op_differs(a: Sequence[OpEvent], b: Sequence[OpEvent], key: OpKey) -> bool:
     eb = next((e for e in b if e.key == key), None)
     if ea is None or eb is None:
         return (ea is None) != (eb is None)
-    if _inputs_differ(ea, eb):
-        return False
-    output = _output_difference(ea, eb)
-    return output is not None or (bool(_argument_difference(ea, eb)) and not (_compared(ea) and _compared(eb)))
+    return not _inputs_differ(ea, eb) and _own_difference(ea, eb) is not None
 
 
 def _combine(origins: list[Origin]) -> Origin | None:
