@@ -280,14 +280,13 @@ class Run:
                              "run.steps(loader, micro_batches=K)")
         stop = self.config.stop_step
         registered = self.state.dataloader if self.state is not None else None
+        own = find_resumable_sampler(loader) if loader is not None else None
         # The sampler behind ``data.indices``: the iterated loader's, else the registered one's.
-        self._sampler = find_resumable_sampler(loader) if loader is not None else None
-        if self._sampler is None and registered is not None:
-            self._sampler = find_resumable_sampler(registered)
+        self._sampler = own if own is not None or registered is None else find_resumable_sampler(registered)
         if loader is None:
             it: Iterator[Any] = itertools.count(self._step + 1)
         else:
-            it = _epochs(loader, self.state)
+            it = _epochs(loader, own, self.state)
             # Creating the iterator draws a base seed; the uninterrupted run drew it before the checkpoint, so
             # a resumed run must not draw it again.
             resumed = self._restored_from is not None and self.state is not None
@@ -469,12 +468,10 @@ class Run:
 _END = object()
 
 
-def _epochs(loader: Iterable[Any], state: Any) -> Iterator[Any]:
+def _epochs(loader: Iterable[Any], sampler: Any, state: Any) -> Iterator[Any]:
     """Batches over epochs: first a marker once the epoch's iterator exists (right after the base-seed draw), then
-    batches; at each epoch's end the sampler and epoch counter advance."""
-    from ckptverify.state.dataloader import find_resumable_sampler
-
-    sampler = find_resumable_sampler(loader)
+    batches; at each epoch's end ``sampler`` (the loader's ``ResumableSampler``, if any) and the epoch counter
+    advance."""
     stateful = type(loader).__name__.startswith("Stateful")
     first_epoch = True
     while True:
