@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ckptverify.errors import UsageError
@@ -41,7 +41,7 @@ class OpSite:
     occurrence: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        return asdict(self)
 
     def describe(self) -> str:
         return f"{self.op} ({_where(self.occurrence, self.phase, self.module)})"
@@ -64,7 +64,7 @@ class Origin:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape of ``stats.verdict.origin``."""
-        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,8 +113,7 @@ class SideVariation:
     repeats: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"side": self.side, "rank": self.rank, "site": self.site.to_dict(),
-                "repeats_differing": self.repeats_differing, "repeats": self.repeats}
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -717,8 +716,7 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
         if first is not None and first.what == "inputs" and first.last_equal is not None else None,
         produced_in_step=first.produced_in_step if first is not None and first.what == "inputs" else None,
         state_equal=state_equal,
-        within_side=_within_side(compared, "a", ranks, per_side["a"]) + _within_side(compared, "b", ranks,
-                                                                                      per_side["b"]),
+        within_side=tuple(v for side in "ab" for v in _within_side(compared, side, ranks, per_side[side])),
         missing=missing,
         seen_in=seen_in,
         names=(str(names[0]), str(names[1])),
