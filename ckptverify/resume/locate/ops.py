@@ -547,39 +547,25 @@ def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -
 
 
 def _fed(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> tuple[Via, bool | None]:
-    """The collective or receive ``event`` as a :class:`Via`, and whether another rank fed it a difference
-    (``False``: every member's log shows equal inputs; ``None``: no log tells)."""
+    """The collective or receive ``event`` as a :class:`Via` (senders: the members, same group and seq, whose input
+    differed), and whether another rank fed it a difference (``None``: no log tells)."""
     c = event.comm
     assert c is not None
     if c.peer is not None and c.collective in RECV:
-        senders: tuple[int, ...] = (c.peer,)
-        fed = _peer_sent_differently(rank, event, pairs)
-    else:
-        differing, complete = _members_differing(rank, event, pairs)
-        senders = tuple(differing)
-        fed = True if differing else (False if complete else None)
-    return Via(collective=c.collective, group=c.group, seq=c.seq, senders=senders), fed
-
-
-def _members_differing(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> tuple[list[int], bool]:
-    """Other members whose input to collective ``event`` (same group and seq) differed, and whether every member's
-    log holds it."""
-    comm = event.comm
-    assert comm is not None
+        return Via(collective=c.collective, group=c.group, seq=c.seq, senders=(c.peer,)), \
+            _peer_sent_differently(rank, event, pairs)
     senders: list[int] = []
-    complete = True
-    for member in comm.group:
+    complete = True  # every member's log holds the collective
+    for member in c.group:
         if member == rank:
             continue
-        if member not in pairs:
-            complete = False
-            continue
-        ea, eb = pairs[member].comm_event(comm.group, comm.seq)
+        ea, eb = pairs[member].comm_event(c.group, c.seq) if member in pairs else (None, None)
         if ea is None or eb is None:
             complete = False
         elif _inputs_differ(ea, eb):
             senders.append(member)
-    return senders, complete
+    via = Via(collective=c.collective, group=c.group, seq=c.seq, senders=tuple(senders))
+    return via, True if senders else (False if complete else None)
 
 
 def _peer_sent_differently(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> bool | None:
