@@ -632,8 +632,8 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
     la, lb = _check_logs(a, "A"), _check_logs(b, "B")
     ranks = tuple(sorted(set(la) & set(lb)))
     missing = tuple(sorted(set(la) ^ set(lb)))
-    counts = [len(la[r]) for r in ranks] + [len(lb[r]) for r in ranks]
-    repeats = min(counts) if counts else 0
+    per_side = {side: min((len(logs[r]) for r in ranks), default=0) for side, logs in (("a", la), ("b", lb))}
+    repeats = min(per_side.values())
     if not ranks or repeats == 0:
         raise UsageError("nothing to compare: no rank has op logs on both sides" if not ranks else
                          f"nothing to compare: a rank has no repeat on one side (ranks {list(ranks)})")
@@ -657,9 +657,7 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
 
     for i in range(repeats):
         compare("ab", i, lambda r, i=i: (la[r][i], lb[r][i]), "")
-    per_side: dict[str, int] = {}
     for side, logs in (("a", la), ("b", lb)):
-        per_side[side] = min(len(logs[r]) for r in ranks)
         for i in range(1, per_side[side]):
             compare(side, i, lambda r, i=i, logs=logs: (logs[r][0], logs[r][i]), f"side {side.upper()}, ")
 
