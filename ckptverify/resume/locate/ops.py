@@ -637,9 +637,9 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
     if not ranks or repeats == 0:
         raise UsageError("nothing to compare: no rank has op logs on both sides" if not ranks else
                          f"nothing to compare: a rank has no repeat on one side (ranks {list(ranks)})")
-    steps = {e.step for side in (la, lb) for r in ranks for rep in side[r] for e in rep if isinstance(e, OpEvent)}
     if step is None:
-        step = min(steps) if steps else 0
+        step = min((e.step for side in (la, lb) for r in ranks for rep in side[r] for e in rep
+                    if isinstance(e, OpEvent)), default=0)
     else:
         # Non-OpEvent entries stay, to be refused.
         la, lb = ({r: [[e for e in rep if not isinstance(e, OpEvent) or e.step == step] for rep in reps]
@@ -647,12 +647,13 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
     if not any(rep for side in (la, lb) for r in ranks for rep in side[r]):
         raise UsageError(f"nothing to compare: the logs hold no op of step {step}")
 
-    # ("ab", i): A's repeat i vs B's; ("a"/"b", i): that side's repeat i vs its repeat 0.
-    compared: list[tuple[str, int, dict[int, _Verdict], Callable[[int], tuple[Sequence[OpEvent], ...]]]] = []
+    # Per pair compared, its source ("ab": A's repeat i vs B's; "a"/"b": that side's repeat i vs its repeat 0),
+    # each rank's verdict, and the pair's logs per rank.
+    compared: list[tuple[str, dict[int, _Verdict], Callable[[int], tuple[Sequence[OpEvent], ...]]]] = []
 
     def compare(source: str, i: int, logs_of: Callable[[int], tuple[Sequence[OpEvent], ...]], what: str) -> None:
         pairs = {r: _Pair(*logs_of(r), what=f"{what}rank {r}, repeat {i}") for r in ranks}
-        compared.append((source, i, {r: v for r in ranks if (v := _classify(r, pairs, state_equal)) is not None},
+        compared.append((source, {r: v for r in ranks if (v := _classify(r, pairs, state_equal)) is not None},
                          logs_of))
 
     for i in range(repeats):
@@ -676,7 +677,7 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
                                       occurrence=e.occurrence, seen=chosen.seen))
             continue
         # Also count pairs where the op differed without being the rank's first difference.
-        count = sum(1 for src, _, verdicts, logs_of in compared if src == source
+        count = sum(1 for src, verdicts, logs_of in compared if src == source
                     and ((r in verdicts and verdicts[r].identity == chosen.identity)
                          or (chosen.kind == "op" and _op_differs(*logs_of(r), e.key))))
         details[r] = (chosen, source)
@@ -712,11 +713,11 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
 _DIRECTNESS = {"op": 0, "collective": 0, "receiver": 1, "untraced": 2, "state": 2}
 
 
-def _choose(rank: int, compared: Sequence[tuple[str, int, dict[int, _Verdict], Any]]) -> tuple[str, _Verdict] | None:
+def _choose(rank: int, compared: Sequence[tuple[str, dict[int, _Verdict], Any]]) -> tuple[str, _Verdict] | None:
     """The verdict of ``rank`` over every comparison and where it was seen: the most direct kind anywhere (an
     untraced verdict may be the effect of an earlier step's difference another pair shows at its op), the A/B pairs'
     first, then the majority, earliest among equals."""
-    found = [(src, v[rank]) for src, _, v, _ in compared if rank in v]
+    found = [(src, v[rank]) for src, v, _ in compared if rank in v]
     if not found:
         return None
     best = min(_DIRECTNESS[v.kind] for _, v in found)
@@ -753,12 +754,12 @@ def _combine(origins: list[Origin]) -> Origin | None:
                   repeats_differing=min(o.repeats_differing for o in origins))
 
 
-def _within_side(compared: Sequence[tuple[str, int, dict[int, _Verdict], Any]], side: str, ranks: tuple[int, ...],
+def _within_side(compared: Sequence[tuple[str, dict[int, _Verdict], Any]], side: str, ranks: tuple[int, ...],
                  count: int) -> tuple[SideVariation, ...]:
     """Ranks where a side's repeats first differ from its first repeat by birth (receivers only when no rank shows
     the birth)."""
     firsts: dict[int, list[_Verdict]] = {}
-    for src, _, verdicts, _ in compared:
+    for src, verdicts, _ in compared:
         if src == side:
             for r in ranks:
                 if r in verdicts:
