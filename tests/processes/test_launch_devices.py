@@ -8,6 +8,7 @@ import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -44,8 +45,9 @@ def test_more_cuda_ranks_than_visible_gpus_is_refused_before_any_process_starts(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     started: list[int] = []
 
-    def start_processes(*args: object, **kwargs: object) -> None:
+    def start_processes(*args: object, **kwargs: object) -> object:
         started.append(1)
+        return SimpleNamespace(join=lambda timeout=None: True)  # every rank done
 
     monkeypatch.setattr(torch.multiprocessing, "start_processes", start_processes)
     script = tmp_path / "noop.py"
