@@ -443,14 +443,11 @@ class Run:
         if not self.config.trace_dir or self._recorder is not None:
             return
         from ckptverify.trace import TraceHeader, TraceRecorder
+        from ckptverify.trace.oplog import window_from_dict
 
         header = TraceHeader(run=self.config.name, level=self.config.level, workload=self.config.workload,
                              detail=self.config.trace_detail)
-        window = None
-        if self.config.op_window is not None:
-            from ckptverify.trace.oplog import window_from_dict
-
-            window = window_from_dict(self.config.op_window)
+        window = window_from_dict(self.config.op_window) if self.config.op_window is not None else None
         self._recorder = TraceRecorder(self.config.trace_dir, header=header, overwrite=True, window=window)
         if self._production is not None:
             self._production.traced_by(self._recorder)
