@@ -516,11 +516,8 @@ def _init_group_from_env() -> bool:
     available = torch.cuda.is_available()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if available and local < torch.cuda.device_count():
-        # Lazily, so a CPU-only job on a GPU host never creates a CUDA context.
-        if torch.cuda.is_initialized():
-            torch.cuda.set_device(local)
-        else:
-            torch.cuda._lazy_call(lambda: torch.cuda.set_device(local))
+        # Lazily (at once if CUDA is initialised), so a CPU-only job on a GPU host never creates a CUDA context.
+        torch.cuda._lazy_call(lambda: torch.cuda.set_device(local))
     # Training device unknown here: NCCL connects only at the first CUDA collective, so a CPU model never uses it.
     dist.init_process_group(_group_backend(None, available))
     return True
