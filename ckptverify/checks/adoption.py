@@ -7,11 +7,13 @@ the same values as the general paths, which take everything else.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ckptverify.checks import deep as deep_check
+from ckptverify.checks.content import WINDOW_BYTES, read_windows
 from ckptverify.errors import FileChangedError
 from ckptverify.formats.describe import StoredRange
 from ckptverify.ownfiles.manifest import FileEntry, ItemEntry
@@ -90,9 +92,6 @@ def digests_and_scans(run: Any, desc: Any, *, digest: str, block_bytes: int, exe
 
 #: A run of small items of one file read at once: (file, start, end, items).
 _Batch = tuple[str, int, int, list[StoredRange]]
-#: Most bytes read at once for consecutive small items, and the largest gap between two read over.
-BATCH_BYTES = 8 << 20
-BATCH_GAP = 64 << 10
 
 
 def _read_batch(desc: Any, batch: _Batch) -> tuple[bytes, int]:
@@ -106,22 +105,14 @@ def _read_batch(desc: Any, batch: _Batch) -> tuple[bytes, int]:
 
 
 def _small_item_batches(stored: list[StoredRange], block_bytes: int) -> tuple[list[_Batch], list[StoredRange]]:
-    """Items of 1 byte to one block grouped into per-file runs read at once (at most :data:`BATCH_BYTES`, gaps up to
-    :data:`BATCH_GAP`), and the other items, digested singly."""
-    limit = min(block_bytes, BATCH_BYTES)
+    """Items of 1 byte to one block grouped into per-file runs read at once (:func:`.content.read_windows`; items
+    that overlap in separate runs), and the other items, digested singly."""
+    limit = min(block_bytes, WINDOW_BYTES)
     small = sorted((i for i in stored if 0 < i.length <= limit), key=lambda i: (i.file, i.offset))
     large = [i for i in stored if not 0 < i.length <= limit]
-    batches: list[_Batch] = []
-    for item in small:
-        end = item.offset + item.length
-        if batches:
-            name, start, stop, items = batches[-1]
-            if name == item.file and stop <= item.offset <= stop + BATCH_GAP and end - start <= BATCH_BYTES:
-                items.append(item)
-                batches[-1] = (name, start, end, items)
-                continue
-        batches.append((item.file, item.offset, end, [item]))
-    return batches, large
+    return [(name, start, end, items) for name, group in itertools.groupby(small, key=lambda i: i.file)
+            for start, end, items in read_windows(((i.offset, i.offset + i.length, i) for i in group), overlap=False)
+            ], large
 
 
 #: Tensors of at most this many elements, stored whole in one raw row-major piece, are fingerprinted many at once.
@@ -158,7 +149,7 @@ def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[st
             continue
         picked.append(StoredRange(t.name, None, p.file, start, nbytes))
         what[t.name] = (p.dtype, n)
-    batches, _ = _small_item_batches(picked, BATCH_BYTES)
+    batches, _ = _small_item_batches(picked, WINDOW_BYTES)
 
     def read(batch: _Batch) -> list[tuple[str, bytes]]:
         buf, _ = _read_batch(desc, batch)
