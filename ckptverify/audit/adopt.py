@@ -116,8 +116,6 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
         entries, files, scans, replica_findings = run.digests(desc, digest=digest, block_bytes=block_bytes,
                                                               executor=executor)
         metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
-        names = sorted(files)
-        file_digests = [files[n] for n in names]
         if replica_findings:
             return _refusal(checked, "replicas of a chunk differ; refusing to write a manifest that would bless the "
                             "checkpoint", *replica_findings), None
@@ -134,10 +132,9 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
             tensors[fqn] = TensorEntry(dtype=tinfo.dtype, shape=tinfo.shape, fingerprint=value,
                                        nan_count=scan.nan if counted else None,
                                        inf_count=scan.inf if counted else None, parts=inner)
-        ranks = {int(m.group(1)) for n in names if (m := _RANK_FILE.match(n))}
-        manifest = _manifest(digest_algorithm=digest, block_bytes=block_bytes, items=tuple(entries),
-                             files=dict(zip(names, file_digests, strict=True)), tensors=tensors,
-                             metadata_files=metadata, world_size=max(ranks) + 1 if ranks else 1)
+        ranks = {int(m.group(1)) for n in files if (m := _RANK_FILE.match(n))}
+        manifest = _manifest(digest_algorithm=digest, block_bytes=block_bytes, items=tuple(entries), files=files,
+                             tensors=tensors, metadata_files=metadata, world_size=max(ranks) + 1 if ranks else 1)
         changed = run.changed_files()
         if changed:
             return _refusal(checked, f"files changed while they were digested; {_GONE}", *changed), None
@@ -147,7 +144,7 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
     finally:
         run.close()
     notes = [info("manifest-written",
-                  f"wrote {written}: {len(entries)} items, {len(names)} files, "
+                  f"wrote {written}: {len(entries)} items, {len(files)} files, "
                   f"{len(tensors) - unfingerprinted} of {len(tensors)} tensors fingerprinted",
                   location=Location(file=MANIFEST_FILE))]
     if unfingerprinted:
