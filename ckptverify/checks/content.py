@@ -248,10 +248,8 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
             ))
 
     plan.header = header
-    if not intact:
-        for rec in records:
-            if computed[rec.name] != rec.crc:
-                result.findings.extend(_crc_findings(item, archive, rec, header, computed[rec.name]))
+    for rec in bad:
+        result.findings.extend(_crc_findings(item, archive, rec, header, computed[rec.name]))
 
     if isinstance(header, SubclassHeader):
         result.findings.extend(_subclass_consistency(item, archive, header))
