@@ -404,19 +404,17 @@ class _DcpSide(_Side):
         self.errors = [f for f in found if f.severity.value == "error"]
         self.damaged = {f.location.fqn for f in self.errors if f.location.fqn}
         self.desc = self.run.description(values=True, values_skip=self.damaged, side_files=True)
-        manifest = self.run.manifest
-        manifest_ok = manifest is not None and not any(f.check.startswith("manifest") for f in self.errors)
+        manifest = None if any(f.check.startswith("manifest") for f in self.errors) else self.run.manifest
         #: Fingerprints the manifest vouches for: taken in memory at save time, and the bytes matched them.
         self.saved = {n: t.fingerprint for n, t in manifest.tensors.items()
-                      if t.fingerprint is not None} if manifest_ok and manifest is not None else {}
-        side_files = {n for n, fmt in self.desc.files.items() if fmt != "dcp"}
-        bad_files = {f.location.file for f in self.errors if f.location.file}
+                      if t.fingerprint is not None} if manifest is not None else {}
+        bad_side_files = {n for n, fmt in self.desc.files.items() if fmt != "dcp"} & \
+            {f.location.file for f in self.errors}
         self.tensors = {n: (t.dtype, t.shape) for n, t in self.desc.tensors.items()}
         for n, t in self.desc.tensors.items():
-            if any(p.file in side_files and p.file in bad_files for p in t.payloads):
+            if any(p.file in bad_side_files for p in t.payloads):
                 self.damaged.add(n)
-        self.values = {n: v for n, v in self.desc.values.items()
-                       if not (n.partition(":")[0] in side_files and n.partition(":")[0] in bad_files)}
+        self.values = {n: v for n, v in self.desc.values.items() if n.partition(":")[0] not in bad_side_files}
 
     def fingerprints(self, names: set[str]) -> dict[str, str]:
         wanted = names - self.damaged
