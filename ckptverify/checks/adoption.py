@@ -82,9 +82,9 @@ def digests_and_scans(run: Any, desc: Any, *, digest: str, block_bytes: int, exe
         entries = [e for batch in run.map(digest_batch, small) for e in batch]
         entries += run.map(digest_item, sorted(large, key=lambda i: -i.length))
         file_digests = run.map(digest_file, names)
-        scans, batched = _scan_small_tensors(desc, run.map)
+        scans = _scan_small_tensors(desc, run.map)
         release_kept()
-        rest = {name for name in desc.tensors if name not in batched}
+        rest = {name for name in desc.tensors if name not in scans}
         more, replica_findings = deep_check.scan_description(desc, run.map, only=rest)
         scans.update(more)
     return entries, dict(zip(names, file_digests, strict=True)), scans, replica_findings
@@ -122,11 +122,11 @@ _BATCHED_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64
                              "uint8", "bool"})
 
 
-def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[str]]:
+def _scan_small_tensors(desc: Any, run_map: Any) -> dict[str, Any]:
     """Scans of the small tensors stored whole in one raw row-major piece of a batched dtype, fingerprinted many at a
     time in numpy (:func:`_whole_lanes`, no torch import) from the batched reads: the same values as
-    :func:`~ckptverify.checks.deep.scan_description` at a fraction of its per-tensor cost. Returns the scans and
-    names; every other tensor is left to the general scan (which also reports what is wrong)."""
+    :func:`~ckptverify.checks.deep.scan_description` at a fraction of its per-tensor cost. Returns the scans by name;
+    every other tensor is left to the general scan (which also reports what is wrong)."""
     import math
 
     from ckptverify.dcp.layout import DTYPE_ITEMSIZE
@@ -155,7 +155,7 @@ def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[st
         buf, _ = _read_batch(desc, batch)
         return [(r.name, buf[r.offset - batch[1]:r.offset - batch[1] + r.length]) for r in batch[3]]
 
-    scans: dict[str, SmallScan] = {}
+    scans: dict[str, Any] = {}
     for group in _rounds(batches, ROUND_BYTES):
         by_dtype: dict[str, tuple[list[str], list[bytes], list[int]]] = {}
         for got in run_map(read, group):
@@ -172,7 +172,7 @@ def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[st
             none = [0] * len(names)
             for fqn, value, a, b in zip(names, values, nan or none, inf or none, strict=True):
                 scans[fqn] = SmallScan(value, a, b)
-    return scans, set(scans)  # type: ignore[return-value]
+    return scans
 
 
 #: Most bytes of batched reads fingerprinted together (what a round holds in memory at once).
