@@ -506,18 +506,16 @@ def subclass_difference(desc_a: SubclassDesc | None, parts_a: Any, name_a: str, 
         out["context"] = {k: [ca.get(k), cb.get(k)] for k in sorted(set(ca) | set(cb)) if ca.get(k) != cb.get(k)}
     values = []
     for d, parts, load, name in ((desc_a, pa, load_a, name_a), (desc_b, pb, load_b, name_b)):
+        got: torch.Tensor | str | None
         if d is None:
             plain = load(name)
-            values.append(plain.to(torch.float32) if plain.is_floating_point() else None)
-            if values[-1] is None:
-                out["decoded_note"] = f"the plain side holds {str(plain.dtype)[6:]} values"
-            continue
-        got = decoded_values(d, parts)
-        if isinstance(got, str):
-            out["decoded_note"] = got
-            values.append(None)
+            got = plain.to(torch.float32) if plain.is_floating_point() else \
+                f"the plain side holds {str(plain.dtype)[6:]} values"
         else:
-            values.append(got)
+            got = decoded_values(d, parts)
+        if isinstance(got, str):  # why these values cannot be compared
+            out["decoded_note"], got = got, None
+        values.append(got)
     va, vb = values
     if va is not None and vb is not None:
         if va.shape != vb.shape:
