@@ -375,13 +375,12 @@ def _manifest_proven(root: str, desc: Description, files: set[str]) -> set[tuple
 
 def rebuilt_fingerprints(desc: Description, names: set[str], scan: Callable[[set[str]], dict[str, Any]]
                          ) -> dict[str, str]:
-    """Fingerprints of ``desc``'s tensors in ``names``, rebuilt from payloads by ``scan`` (the tensors' scans by name,
-    as :func:`~ckptverify.checks.deep.scan_description` gives them); ``"empty"`` for no elements and nothing stored.
-    Tensors not fully rebuilt are left out (reported as not compared)."""
-    wanted = {n for n in names if n in desc.tensors}
-    scans = scan(wanted)
+    """Fingerprints of the tensors ``names`` of ``desc``, rebuilt from payloads by ``scan`` (the tensors' scans by
+    name, as :func:`~ckptverify.checks.deep.scan_description` gives them); ``"empty"`` for no elements and nothing
+    stored. Tensors not fully rebuilt are left out (reported as not compared)."""
+    scans = scan(names)
     out: dict[str, str] = {}
-    for name in sorted(wanted):
+    for name in sorted(names):
         shape = desc.tensors[name].shape
         scan = scans.get(name)
         value = scan.value(shape) if scan is not None else None
