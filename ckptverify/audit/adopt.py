@@ -116,8 +116,6 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
         entries, files, scans, replica_findings = run.digests(desc, digest=digest, block_bytes=block_bytes,
                                                               executor=executor)
         metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
-        names = sorted(files)
-        file_digests = [files[n] for n in names]
         if replica_findings:
             return _refusal(checked, "replicas of a chunk differ; refusing to write a manifest that would bless the "
                             "checkpoint", *replica_findings), None
@@ -134,10 +132,9 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
             tensors[fqn] = TensorEntry(dtype=tinfo.dtype, shape=tinfo.shape, fingerprint=value,
                                        nan_count=scan.nan if counted else None,
                                        inf_count=scan.inf if counted else None, parts=inner)
-        ranks = {int(m.group(1)) for n in names if (m := _RANK_FILE.match(n))}
-        manifest = _manifest(digest_algorithm=digest, block_bytes=block_bytes, items=tuple(entries),
-                             files=dict(zip(names, file_digests, strict=True)), tensors=tensors,
-                             metadata_files=metadata, world_size=max(ranks) + 1 if ranks else 1)
+        ranks = {int(m.group(1)) for n in files if (m := _RANK_FILE.match(n))}
+        manifest = _manifest(digest_algorithm=digest, block_bytes=block_bytes, items=tuple(entries), files=files,
+                             tensors=tensors, metadata_files=metadata, world_size=max(ranks) + 1 if ranks else 1)
         changed = run.changed_files()
         if changed:
             return _refusal(checked, f"files changed while they were digested; {_GONE}", *changed), None
@@ -147,7 +144,7 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
     finally:
         run.close()
     notes = [info("manifest-written",
-                  f"wrote {written}: {len(entries)} items, {len(names)} files, "
+                  f"wrote {written}: {len(entries)} items, {len(files)} files, "
                   f"{len(tensors) - unfingerprinted} of {len(tensors)} tensors fingerprinted",
                   location=Location(file=MANIFEST_FILE))]
     if unfingerprinted:
@@ -275,17 +272,23 @@ def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: b
                         changed_finding(os.path.basename(str(exc.path)), str(exc))), None
     if manifest is None:
         return _refusal(verified, f"files were added or removed while they were digested; {_GONE}"), None
-    files, items, tensors = manifest.files, manifest.items, manifest.tensors
-    notes = [info("manifest-written", f"wrote {written}: {len(files)} files, {len(items)} tensor payloads, "
-                  f"{len(tensors) - missing} of {len(tensors)} tensors fingerprinted"
-                  + (f", and a manifest in each of {len(parts)} DCP part(s)" if parts else ""),
-                  location=Location(file=own))]
-    notes.extend(_trusted(uncheckable, own))
-    coverage = (*checked.coverage, CheckCoverage(check="manifest-digest", count=len(files), unit="files"),
-                CheckCoverage(check="fingerprint", count=len(tensors) - missing, unit="tensors"))
+    notes, coverage = _described_written(checked, written, manifest, missing, uncheckable, own,
+                                         f", and a manifest in each of {len(parts)} DCP part(s)" if parts else "")
     stats = {**checked.stats, "seconds": round(time.perf_counter() - started, 6)}
     return Report(command="fingerprint", target=root, findings=(*findings, *notes),
                   coverage=merge_coverage(coverage), stats=stats), manifest
+
+
+def _described_written(checked: Report, written: str, manifest: Manifest, missing: int, uncheckable: list[Finding],
+                       where: str, also: str) -> tuple[list[Finding], tuple[CheckCoverage, ...]]:
+    """The notes (``manifest-written``, ``also`` saying what more was written; ``fingerprint-trusted``) and coverage
+    of a described manifest written at ``where`` after ``checked``, ``missing`` of its tensors unfingerprinted."""
+    files, tensors = len(manifest.files), len(manifest.tensors)
+    notes = [info("manifest-written", f"wrote {written}: {files} files, {len(manifest.items)} tensor payloads, "
+                  f"{tensors - missing} of {tensors} tensors fingerprinted{also}", location=Location(file=where)),
+             *_trusted(uncheckable, where)]
+    return notes, (*checked.coverage, CheckCoverage(check="manifest-digest", count=files, unit="files"),
+                   CheckCoverage(check="fingerprint", count=tensors - missing, unit="tensors"))
 
 
 def _described_manifest(root: str, names: list[str] | None, own: str, digest: str,
@@ -387,15 +390,9 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tupl
                        changed_finding(os.path.basename(str(exc.path)), str(exc)))
     if manifest is None:
         return refused(f"files were added or removed while they were digested; {_GONE}")
-    with_manifest = len(subs) - len(unwritten)
-    note = (f"wrote {written}: {len(manifest.files)} files, {len(manifest.items)} tensor payloads, "
-            f"{len(manifest.tensors) - missing} of {len(manifest.tensors)} tensors fingerprinted, and a manifest "
-            f"in each of {with_manifest} DCP part(s)")
+    also = f", and a manifest in each of {len(subs) - len(unwritten)} DCP part(s)"
     if unwritten:
-        note += (f"; none in {', '.join(unwritten)}: their shards, under CRC-32, were verified on the nodes that "
+        also += (f"; none in {', '.join(unwritten)}: their shards, under CRC-32, were verified on the nodes that "
                  "wrote them")
-    notes = [info("manifest-written", note, location=Location(file=MANIFEST_FILE))]
-    notes.extend(_trusted(uncheckable, MANIFEST_FILE))
-    coverage = (*checked.coverage, CheckCoverage(check="manifest-digest", count=len(manifest.files), unit="files"),
-                CheckCoverage(check="fingerprint", count=len(manifest.tensors) - missing, unit="tensors"))
+    notes, coverage = _described_written(checked, written, manifest, missing, uncheckable, MANIFEST_FILE, also)
     return result((*checked.findings, *notes), coverage), manifest, unwritten

@@ -375,13 +375,12 @@ def _manifest_proven(root: str, desc: Description, files: set[str]) -> set[tuple
 
 def rebuilt_fingerprints(desc: Description, names: set[str], scan: Callable[[set[str]], dict[str, Any]]
                          ) -> dict[str, str]:
-    """Fingerprints of ``desc``'s tensors in ``names``, rebuilt from payloads by ``scan`` (the tensors' scans by name,
-    as :func:`~ckptverify.checks.deep.scan_description` gives them); ``"empty"`` for no elements and nothing stored.
-    Tensors not fully rebuilt are left out (reported as not compared)."""
-    wanted = {n for n in names if n in desc.tensors}
-    scans = scan(wanted)
+    """Fingerprints of the tensors ``names`` of ``desc``, rebuilt from payloads by ``scan`` (the tensors' scans by
+    name, as :func:`~ckptverify.checks.deep.scan_description` gives them); ``"empty"`` for no elements and nothing
+    stored. Tensors not fully rebuilt are left out (reported as not compared)."""
+    scans = scan(names)
     out: dict[str, str] = {}
-    for name in sorted(wanted):
+    for name in sorted(names):
         shape = desc.tensors[name].shape
         scan = scans.get(name)
         value = scan.value(shape) if scan is not None else None
@@ -404,19 +403,17 @@ class _DcpSide(_Side):
         self.errors = [f for f in found if f.severity.value == "error"]
         self.damaged = {f.location.fqn for f in self.errors if f.location.fqn}
         self.desc = self.run.description(values=True, values_skip=self.damaged, side_files=True)
-        manifest = self.run.manifest
-        manifest_ok = manifest is not None and not any(f.check.startswith("manifest") for f in self.errors)
+        manifest = None if any(f.check.startswith("manifest") for f in self.errors) else self.run.manifest
         #: Fingerprints the manifest vouches for: taken in memory at save time, and the bytes matched them.
         self.saved = {n: t.fingerprint for n, t in manifest.tensors.items()
-                      if t.fingerprint is not None} if manifest_ok and manifest is not None else {}
-        side_files = {n for n, fmt in self.desc.files.items() if fmt != "dcp"}
-        bad_files = {f.location.file for f in self.errors if f.location.file}
+                      if t.fingerprint is not None} if manifest is not None else {}
+        bad_side_files = {n for n, fmt in self.desc.files.items() if fmt != "dcp"} & \
+            {f.location.file for f in self.errors}
         self.tensors = {n: (t.dtype, t.shape) for n, t in self.desc.tensors.items()}
         for n, t in self.desc.tensors.items():
-            if any(p.file in side_files and p.file in bad_files for p in t.payloads):
+            if any(p.file in bad_side_files for p in t.payloads):
                 self.damaged.add(n)
-        self.values = {n: v for n, v in self.desc.values.items()
-                       if not (n.partition(":")[0] in side_files and n.partition(":")[0] in bad_files)}
+        self.values = {n: v for n, v in self.desc.values.items() if n.partition(":")[0] not in bad_side_files}
 
     def fingerprints(self, names: set[str]) -> dict[str, str]:
         wanted = names - self.damaged
@@ -508,18 +505,16 @@ def subclass_difference(desc_a: SubclassDesc | None, parts_a: Any, name_a: str, 
         out["context"] = {k: [ca.get(k), cb.get(k)] for k in sorted(set(ca) | set(cb)) if ca.get(k) != cb.get(k)}
     values = []
     for d, parts, load, name in ((desc_a, pa, load_a, name_a), (desc_b, pb, load_b, name_b)):
+        got: torch.Tensor | str | None
         if d is None:
             plain = load(name)
-            values.append(plain.to(torch.float32) if plain.is_floating_point() else None)
-            if values[-1] is None:
-                out["decoded_note"] = f"the plain side holds {str(plain.dtype)[6:]} values"
-            continue
-        got = decoded_values(d, parts)
-        if isinstance(got, str):
-            out["decoded_note"] = got
-            values.append(None)
+            got = plain.to(torch.float32) if plain.is_floating_point() else \
+                f"the plain side holds {str(plain.dtype)[6:]} values"
         else:
-            values.append(got)
+            got = decoded_values(d, parts)
+        if isinstance(got, str):  # why these values cannot be compared
+            out["decoded_note"], got = got, None
+        values.append(got)
     va, vb = values
     if va is not None and vb is not None:
         if va.shape != vb.shape:

@@ -7,11 +7,13 @@ the same values as the general paths, which take everything else.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ckptverify.checks import deep as deep_check
+from ckptverify.checks.content import WINDOW_BYTES, read_windows
 from ckptverify.errors import FileChangedError
 from ckptverify.formats.describe import StoredRange
 from ckptverify.ownfiles.manifest import FileEntry, ItemEntry
@@ -80,9 +82,9 @@ def digests_and_scans(run: Any, desc: Any, *, digest: str, block_bytes: int, exe
         entries = [e for batch in run.map(digest_batch, small) for e in batch]
         entries += run.map(digest_item, sorted(large, key=lambda i: -i.length))
         file_digests = run.map(digest_file, names)
-        scans, batched = _scan_small_tensors(desc, run.map)
+        scans = _scan_small_tensors(desc, run.map)
         release_kept()
-        rest = {name for name in desc.tensors if name not in batched}
+        rest = {name for name in desc.tensors if name not in scans}
         more, replica_findings = deep_check.scan_description(desc, run.map, only=rest)
         scans.update(more)
     return entries, dict(zip(names, file_digests, strict=True)), scans, replica_findings
@@ -90,9 +92,6 @@ def digests_and_scans(run: Any, desc: Any, *, digest: str, block_bytes: int, exe
 
 #: A run of small items of one file read at once: (file, start, end, items).
 _Batch = tuple[str, int, int, list[StoredRange]]
-#: Most bytes read at once for consecutive small items, and the largest gap between two read over.
-BATCH_BYTES = 8 << 20
-BATCH_GAP = 64 << 10
 
 
 def _read_batch(desc: Any, batch: _Batch) -> tuple[bytes, int]:
@@ -106,22 +105,14 @@ def _read_batch(desc: Any, batch: _Batch) -> tuple[bytes, int]:
 
 
 def _small_item_batches(stored: list[StoredRange], block_bytes: int) -> tuple[list[_Batch], list[StoredRange]]:
-    """Items of 1 byte to one block grouped into per-file runs read at once (at most :data:`BATCH_BYTES`, gaps up to
-    :data:`BATCH_GAP`), and the other items, digested singly."""
-    limit = min(block_bytes, BATCH_BYTES)
+    """Items of 1 byte to one block grouped into per-file runs read at once (:func:`.content.read_windows`; items
+    that overlap in separate runs), and the other items, digested singly."""
+    limit = min(block_bytes, WINDOW_BYTES)
     small = sorted((i for i in stored if 0 < i.length <= limit), key=lambda i: (i.file, i.offset))
     large = [i for i in stored if not 0 < i.length <= limit]
-    batches: list[_Batch] = []
-    for item in small:
-        end = item.offset + item.length
-        if batches:
-            name, start, stop, items = batches[-1]
-            if name == item.file and stop <= item.offset <= stop + BATCH_GAP and end - start <= BATCH_BYTES:
-                items.append(item)
-                batches[-1] = (name, start, end, items)
-                continue
-        batches.append((item.file, item.offset, end, [item]))
-    return batches, large
+    return [(name, start, end, items) for name, group in itertools.groupby(small, key=lambda i: i.file)
+            for start, end, items in read_windows(((i.offset, i.offset + i.length, i) for i in group), overlap=False)
+            ], large
 
 
 #: Tensors of at most this many elements, stored whole in one raw row-major piece, are fingerprinted many at once.
@@ -131,11 +122,11 @@ _BATCHED_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64
                              "uint8", "bool"})
 
 
-def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[str]]:
+def _scan_small_tensors(desc: Any, run_map: Any) -> dict[str, Any]:
     """Scans of the small tensors stored whole in one raw row-major piece of a batched dtype, fingerprinted many at a
     time in numpy (:func:`_whole_lanes`, no torch import) from the batched reads: the same values as
-    :func:`~ckptverify.checks.deep.scan_description` at a fraction of its per-tensor cost. Returns the scans and
-    names; every other tensor is left to the general scan (which also reports what is wrong)."""
+    :func:`~ckptverify.checks.deep.scan_description` at a fraction of its per-tensor cost. Returns the scans by name;
+    every other tensor is left to the general scan (which also reports what is wrong)."""
     import math
 
     from ckptverify.dcp.layout import DTYPE_ITEMSIZE
@@ -158,13 +149,13 @@ def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[st
             continue
         picked.append(StoredRange(t.name, None, p.file, start, nbytes))
         what[t.name] = (p.dtype, n)
-    batches, _ = _small_item_batches(picked, BATCH_BYTES)
+    batches, _ = _small_item_batches(picked, WINDOW_BYTES)
 
     def read(batch: _Batch) -> list[tuple[str, bytes]]:
         buf, _ = _read_batch(desc, batch)
         return [(r.name, buf[r.offset - batch[1]:r.offset - batch[1] + r.length]) for r in batch[3]]
 
-    scans: dict[str, SmallScan] = {}
+    scans: dict[str, Any] = {}
     for group in _rounds(batches, ROUND_BYTES):
         by_dtype: dict[str, tuple[list[str], list[bytes], list[int]]] = {}
         for got in run_map(read, group):
@@ -181,7 +172,7 @@ def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[st
             none = [0] * len(names)
             for fqn, value, a, b in zip(names, values, nan or none, inf or none, strict=True):
                 scans[fqn] = SmallScan(value, a, b)
-    return scans, set(scans)  # type: ignore[return-value]
+    return scans
 
 
 #: Most bytes of batched reads fingerprinted together (what a round holds in memory at once).

@@ -28,7 +28,7 @@ from ckptverify.safeparse.zipwalk import Archive, Record, TemplateCache, parse_a
 
 #: Items up to this size are read whole, with their neighbours, and checked from memory while planning.
 SMALL_ITEM_BYTES = 1 << 20
-#: Most bytes read at once for consecutive small items (gaps between them of up to ``WINDOW_GAP`` included).
+#: Most bytes read at once for consecutive small items, and the largest gap between two read over.
 WINDOW_BYTES = 8 << 20
 WINDOW_GAP = 64 << 10
 
@@ -129,7 +129,7 @@ def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: boo
             outcomes[n] = ItemPlan(item, parse_archive(range_reader(f, item.offset, item.length), item.length))
         except ArchiveError as exc:
             outcomes[n] = _structure_finding(item, exc)
-    for start, end, batch in _windows(small):
+    for start, end, batch in read_windows(((item.offset, item.end, (n, item)) for n, item in small), overlap=True):
         buf = f.pread(start, end - start)
         for n, item in batch:
             outcomes[n] = _plan_in_memory(buf, item.offset - start, item, templates)
@@ -150,17 +150,19 @@ def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: boo
     return plans, result
 
 
-def _windows(items: list[tuple[int, Item]]) -> list[tuple[int, int, list[tuple[int, Item]]]]:
-    """Group items (sorted by offset) into byte ranges of at most :data:`WINDOW_BYTES` read at once."""
-    out: list[tuple[int, int, list[tuple[int, Item]]]] = []
-    for n, item in items:
+def read_windows(spans: Iterable[tuple[int, int, Any]], *, overlap: bool) -> list[tuple[int, int, list[Any]]]:
+    """Group ``(offset, end, what)`` spans of one file, sorted by offset, into byte ranges read at once: at most
+    :data:`WINDOW_BYTES`, over gaps of up to :data:`WINDOW_GAP`. A span starting before its range's end joins it only
+    if ``overlap`` (else it starts the next range). Returns ``(start, end, whats)`` per range."""
+    out: list[tuple[int, int, list[Any]]] = []
+    for offset, end, what in spans:
         if out:
-            start, end, batch = out[-1]
-            if item.end - start <= WINDOW_BYTES and item.offset <= end + WINDOW_GAP:
-                batch.append((n, item))
-                out[-1] = (start, max(end, item.end), batch)
+            start, stop, batch = out[-1]
+            if end - start <= WINDOW_BYTES and offset <= stop + WINDOW_GAP and (overlap or stop <= offset):
+                batch.append(what)
+                out[-1] = (start, max(stop, end), batch)
                 continue
-        out.append((item.offset, item.end, [(n, item)]))
+        out.append((offset, end, [what]))
     return out
 
 
@@ -246,10 +248,8 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
             ))
 
     plan.header = header
-    if not intact:
-        for rec in records:
-            if computed[rec.name] != rec.crc:
-                result.findings.extend(_crc_findings(item, archive, rec, header, computed[rec.name]))
+    for rec in bad:
+        result.findings.extend(_crc_findings(item, archive, rec, header, computed[rec.name]))
 
     if isinstance(header, SubclassHeader):
         result.findings.extend(_subclass_consistency(item, archive, header))

@@ -16,7 +16,7 @@ import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from ckptverify.checks import item_label, item_location, manifest_check, unopened
 from ckptverify.checks.commit import check_commit
@@ -357,7 +357,7 @@ class VerificationRun:
             if item.chunk is not None and item.dtype is not None:
                 archive, header = safetensors.raw_payload(item.dtype, item.chunk.sizes, length)
                 self._extra_plans.append(ItemPlan(dataclasses.replace(item, offset=0), archive, header,
-                                                 reader=_Window(self._opened[item.file], offset, length)))  # type: ignore[arg-type]
+                                                 reader=_Window(self._opened[item.file], offset)))  # type: ignore[arg-type]
         return blobs
 
     def _open(self, name: str) -> ReadOnlyFile | None:
@@ -642,22 +642,12 @@ def _unit(w: Any, tasks: list[manifest_check.BlockTask], crc_ranges: list[list[t
             manifest.block_bytes, [list(r) for r in crc_ranges[what]]]
 
 
-class _Window:
-    """Bytes ``[offset, offset + length)`` of an opened file, read as if they were a file of their own."""
+class _Window(NamedTuple):
+    """Where a tensor of DCP's safetensors blob lies: from ``offset`` of the opened ``file`` (the item's archive is
+    the raw payload there)."""
 
-    def __init__(self, f: ReadOnlyFile, offset: int, length: int) -> None:
-        self.file, self.offset, self.size = f, offset, length
-        self.path = f.path
-
-    def pread(self, offset: int, n: int) -> bytes:
-        n = min(n, self.size - offset)
-        return self.file.pread(self.offset + offset, n) if offset >= 0 and n > 0 else b""
-
-    def crc32(self, start: int, end: int, progress: Any = None) -> int:
-        return self.file.crc32(self.offset + start, self.offset + min(end, self.size), progress)
-
-    def changed(self) -> str | None:
-        return self.file.changed()
+    file: ReadOnlyFile
+    offset: int
 
 
 #: At most this many findings of one check are reported in full; the rest are counted in one more finding.

@@ -52,7 +52,7 @@ def _state(n: int) -> dict[str, Any]:
 
 def _general(m: pytest.MonkeyPatch) -> None:
     """Every fast path off: the general scan for every tensor, every file read again by each pass."""
-    m.setattr(adoption, "_scan_small_tensors", lambda desc, run_map: ({}, set()))
+    m.setattr(adoption, "_scan_small_tensors", lambda desc, run_map: {})
     m.setattr(dcp_pipeline, "KEEP_TOTAL_BYTES", 0)
 
 
@@ -90,9 +90,9 @@ def test_the_fast_paths_write_the_general_paths_manifest(tmp_path: Path, monkeyp
     real = adoption._scan_small_tensors
 
     def spy(desc: Any, run_map: Any) -> Any:
-        scans, names = real(desc, run_map)
-        scanned.append(names)
-        return scans, names
+        scans = real(desc, run_map)
+        scanned.append(set(scans))
+        return scans
 
     variants = [{}, {"ROUND_BYTES": 64}, {"KEEP_TOTAL_BYTES": 3000}, {"KEEP_FILE_BYTES": 0}]
     for patch in variants:
@@ -169,7 +169,7 @@ def test_a_file_rewritten_after_it_was_digested_is_refused(tmp_path: Path, monke
         data[-30] ^= 1
         target.write_bytes(bytes(data))  # same size, new content and modification time
         os.utime(target, ns=(target.stat().st_atime_ns, target.stat().st_mtime_ns + 10_000_000))
-        return real(desc, run_map) if not general else ({}, set())
+        return real(desc, run_map) if not general else {}
 
     with monkeypatch.context() as m:
         if general:
