@@ -18,7 +18,7 @@ import pickle
 import re
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any, ClassVar
+from typing import Any
 
 from ckptverify.errors import BadPickle, UnsafeGlobal
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
@@ -203,30 +203,10 @@ class PDict:
 # -------- Stand-ins: new for every parse, immutable where they are shared.
 
 
-class _Budget(Budget):
-    """The framework's budget with this configuration's limits and refusal."""
-
-    __slots__ = ()
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(limit, _budget_exceeded, LIMITS)
-
-
-def _budget_exceeded() -> BadPickle:
-    return BadPickle("the pickle asks for more work than its size allows (a memoized structure expanded past "
-                     f"the budget; limit: {BUDGET_PER_BYTE} per byte + {BUDGET_BASE})")
-
-
-class _Global(FrozenGlobal):
-    """A shared global (function, enum, dtype) that refuses ``BUILD``. Callable ones come from
-    :func:`_callable_global` (one Python call per ``REDUCE``)."""
-
-    __slots__ = ()
-    Refused: ClassVar[type[Exception]] = BadPickle
-
-
-def _callable_global(label: str, call: Any) -> _Global:
-    return callable_global(_Global, label, call)  # type: ignore[return-value]
+def _budget(size: int) -> Budget:
+    """The budget of a pickle of ``size`` bytes."""
+    return Budget(LIMITS.work(size), "the pickle asks for more work than its size allows (a memoized structure "
+                  f"expanded past the budget; limit: {BUDGET_PER_BYTE} per byte + {BUDGET_BASE})", LIMITS)
 
 
 class _Record:
@@ -315,7 +295,7 @@ class _Record:
             else:
                 raise BadPickle(f"{kind.name} is hashed before its field {name!r} is set")
             if isinstance(value, tuple) and type(value) is not Size:  # a Size holds ints only
-                budget.check_hashable(value, BadPickle, Size)
+                budget.check_hashable(value, Size)
             values.append(value)
         try:
             return hash(tuple(values))
@@ -342,20 +322,11 @@ def _check_properties_state(state: Any) -> None:
         raise BadPickle("TensorProperties state is not (dtype, layout, bool, memory format, bool)")
 
 
-class _Resolution:
-    """What both unpicklers do with a global outside the allowlist and with a persistent id: refuse."""
+class _SafeUnpickler(ReferenceUnpickler):
+    """The framework's pure-Python reference unpickler, refusing the opcodes DCP never writes (the C unpickler, the
+    framework's :class:`FastUnpickler`, reads only what :func:`in_fast_subset` admits, which holds none of them).
+    """
 
-    def unknown_global(self, module: str, name: str) -> Any:
-        raise UnsafeGlobal(f"{module}.{name}"[:300])
-
-    def persistent(self, pid: Any) -> Any:
-        raise BadPickle("persistent ids are not used by DCP metadata")
-
-
-class _SafeUnpickler(_Resolution, ReferenceUnpickler):
-    """The framework's pure-Python reference unpickler, refusing the opcodes DCP never writes."""
-
-    Refused = BadPickle
     refused_opcodes = (pickle.INT, pickle.LONG, pickle.FLOAT, pickle.STRING, pickle.UNICODE, pickle.GET, pickle.PUT,
                        pickle.INST, pickle.OBJ, pickle.PERSID, pickle.BINPERSID, pickle.EXT1, pickle.EXT2,
                        pickle.EXT4)
@@ -364,11 +335,7 @@ class _SafeUnpickler(_Resolution, ReferenceUnpickler):
     flat_tuple = Size
 
 
-class _FastUnpickler(_Resolution, FastUnpickler):
-    """The C unpickler through the same allowlist; only for pickles :func:`in_fast_subset` admits."""
-
-
-def _allowlist(budget: _Budget) -> dict[tuple[str, str], Any]:
+def _allowlist(budget: Budget) -> dict[tuple[str, str], Any]:
     """A fresh allowlist: new record classes, new global stand-ins, bound to this parse's budget."""
     allowed: dict[tuple[str, str], Any] = {}
     for kind in KINDS.values():
@@ -413,13 +380,13 @@ def _allowlist(budget: _Budget) -> dict[tuple[str, str], Any]:
             raise BadPickle("path with non-string parts (pathlib raises on it)")
         return Path(str(PurePosixPath(*parts)) if parts else ".")
 
-    allowed[("torch", "Size")] = _callable_global("torch.Size", make_size)
-    allowed[("torch.serialization", "_get_layout")] = _callable_global("torch.serialization._get_layout",
+    allowed[("torch", "Size")] = callable_global("torch.Size", make_size)
+    allowed[("torch.serialization", "_get_layout")] = callable_global("torch.serialization._get_layout",
                                                                        make_layout)
     for name, (module, _) in ENUMS.items():
-        allowed[(module, name)] = _callable_global(f"{module}.{name}", enum_of(name))
+        allowed[(module, name)] = callable_global(f"{module}.{name}", enum_of(name))
     for name in _PATHS:
-        allowed[("pathlib", name)] = _callable_global(f"pathlib.{name}", make_path)
+        allowed[("pathlib", name)] = callable_global(f"pathlib.{name}", make_path)
     for name in DTYPE_ITEMSIZE:
         allowed[("torch", name)] = _DTypeGlobal(name)
     return allowed
@@ -428,7 +395,7 @@ def _allowlist(budget: _Budget) -> dict[tuple[str, str], Any]:
 _INT_ONLY = frozenset({int})
 
 
-class _DTypeGlobal(_Global):
+class _DTypeGlobal(FrozenGlobal):
     """A torch dtype global; not callable, like ``torch.float32``."""
 
     __slots__ = ()
@@ -467,10 +434,10 @@ def parse_reference(data: bytes) -> Any:
 
 
 def _parse(data: bytes, *, fast: bool) -> Any:
-    budget = _Budget(BUDGET_PER_BYTE * len(data) + BUDGET_BASE)
+    budget = _budget(len(data))
     try:
         allowed = _allowlist(budget)
-        unpickler = _FastUnpickler(data, allowed) if fast else _SafeUnpickler(data, allowed, budget)
+        unpickler = FastUnpickler(data, allowed) if fast else _SafeUnpickler(data, allowed, budget)
         raw = unpickler.load()
         del unpickler  # its memo holds every state dict BUILD copied: free them before converting
         return _Plain(budget).convert(raw, 0)
@@ -496,7 +463,7 @@ _set_obj_fields = Obj.fields.__set__  # type: ignore[attr-defined]
 class _Plain:
     """Turns what the unpickler built into the plain tree, charging every node to the budget."""
 
-    def __init__(self, budget: _Budget) -> None:
+    def __init__(self, budget: Budget) -> None:
         self.budget = budget
 
     def convert(self, value: Any, depth: int) -> Any:
@@ -540,7 +507,7 @@ class _Plain:
             return self._record(value, depth)
         if t is _DTypeGlobal:
             return _DTYPES[value.name]
-        if isinstance(value, _Global) or (isinstance(value, type) and issubclass(value, _Record)):
+        if isinstance(value, FrozenGlobal) or (isinstance(value, type) and issubclass(value, _Record)):
             raise BadPickle("a class or function itself appears as a value")
         raise BadPickle(f"a value of type {t.__name__} appears, which DCP metadata never holds")
 

@@ -18,7 +18,7 @@ import functools
 import json
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import xxhash
 
@@ -144,15 +144,7 @@ class PickleScan:
 # ----------------------------------------------------------------------------------- shared stand-ins
 
 
-class _Global(FrozenGlobal):
-    """A global of the allowlist (function, dtype, storage type): refuses ``BUILD``."""
-
-    __slots__ = ()
-    Refused: ClassVar[type[Exception]] = BadPickle
-    modified: ClassVar[str] = "data.pkl modifies a global ({label})"
-
-
-class _DType(_Global):
+class _DType(FrozenGlobal):
     """A torch dtype global; not callable, like ``torch.float32``."""
 
     __slots__ = ()
@@ -167,7 +159,7 @@ def dtype_name(value: Any) -> str | None:
     return value.name if type(value) is _DType else None
 
 
-class _StorageType(_Global):
+class _StorageType(FrozenGlobal):
     """A storage class global; ``dtype`` is its dtype (``None`` for ``UntypedStorage``)."""
 
     __slots__ = ("dtype",)
@@ -263,13 +255,13 @@ class SubclassHeader:
         return self.cls.rsplit(".", 1)[-1]
 
 
-class _SubclassType(_Global):
+class _SubclassType(FrozenGlobal):
     """A tensor subclass global of :data:`SUBCLASSES`: only a value to name the class by."""
 
     __slots__ = ()
 
 
-class _EnumValue(_Global):
+class _EnumValue(FrozenGlobal):
     """A member of an allowlisted enum, by its value."""
 
     __slots__ = ("value",)
@@ -279,7 +271,7 @@ class _EnumValue(_Global):
         object.__setattr__(self, "value", value)
 
 
-class _Layout(_Global):
+class _Layout(FrozenGlobal):
     __slots__ = ()
 
 
@@ -292,7 +284,7 @@ def _enum_global(label: str, values: frozenset[str]) -> FrozenGlobal:
             raise BadPickle(f"{label} has no member {str(value)[:40]!r}")
         return _EnumValue(label, value)
 
-    return callable_global(_Global, label, make)
+    return callable_global(label, make)
 
 
 def _record_class(label: str) -> type:
@@ -402,9 +394,6 @@ def _allowlist() -> dict[tuple[str, str], Any]:
     """Every global a ``torch.save`` pickle may name -> its shared stand-in. The tensor rebuilds, the subclass
     rebuild and the layout lookup are the reader's own (:data:`_READER_GLOBALS`)."""
 
-    def shared(label: str, call: Any) -> FrozenGlobal:
-        return callable_global(_Global, label, call)
-
     allowed: dict[tuple[str, str], Any] = {
         ("torch._utils", "_rebuild_wrapper_subclass"): _WRAPPER,
         # A device (a subclass record names one; so does a Lightning hyperparameter) stays an inert placeholder,
@@ -412,14 +401,14 @@ def _allowlist() -> dict[tuple[str, str], Any]:
         ("torch", "device"): _opaque_class("torch.device"),
         ("torch.storage", "UntypedStorage"): _StorageType("torch.storage.UntypedStorage", None),
         ("torch", "UntypedStorage"): _StorageType("torch.UntypedStorage", "uint8"),
-        ("torch", "Size"): shared("torch.Size", lambda dims=(): tuple(dims)),
-        ("collections", "OrderedDict"): shared("collections.OrderedDict", _ordered_dict),
-        ("_codecs", "encode"): shared("_codecs.encode", _encode),
+        ("torch", "Size"): callable_global("torch.Size", lambda dims=(): tuple(dims)),
+        ("collections", "OrderedDict"): callable_global("collections.OrderedDict", _ordered_dict),
+        ("_codecs", "encode"): callable_global("_codecs.encode", _encode),
     }
     for name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
-        allowed[("torch._utils", name)] = shared(f"torch._utils.{name}", lambda data, *rest: data)
+        allowed[("torch._utils", name)] = callable_global(f"torch._utils.{name}", lambda data, *rest: data)
     for name in ("set", "frozenset"):
-        allowed[("builtins", name)] = shared(f"builtins.{name}", lambda items=(): list(items))
+        allowed[("builtins", name)] = callable_global(f"builtins.{name}", lambda items=(): list(items))
     for dtype in DTYPE_ITEMSIZE:
         allowed[("torch", dtype)] = _DType(f"torch.{dtype}")
     for cls, dtype in LEGACY_STORAGE_DTYPES.items():  # after the dtypes: a storage name is never a dtype name
@@ -430,7 +419,7 @@ def _allowlist() -> dict[tuple[str, str], Any]:
     return allowed
 
 
-_WRAPPER = _Global("torch._utils._rebuild_wrapper_subclass")
+_WRAPPER = FrozenGlobal("torch._utils._rebuild_wrapper_subclass")
 _ALLOWED = _allowlist()
 #: Globals the reader resolves to its own methods (they record storages and tensors, and follow the policy).
 _READER_GLOBALS = {
@@ -446,7 +435,6 @@ class _Reader(ReferenceUnpickler):
     """The reference unpickler over the allowlist. ``opaque``: a global outside it becomes an :class:`Opaque` class
     (else it is refused). Every global, storage and tensor is charged to the budget."""
 
-    Refused = BadPickle
     what = "data.pkl"
 
     def __init__(self, data: bytes, scan: PickleScan, budget: Budget, opaque: bool) -> None:
@@ -547,11 +535,8 @@ class _Reader(ReferenceUnpickler):
 
 
 def _budget(max_objects: int, limits: Limits) -> Budget:
-    def exceeded() -> BadPickle:
-        return BadPickle(f"the pickle builds more than {max_objects} objects; refused (a decompression "
-                         "bomb, or not a checkpoint)")
-
-    return Budget(max_objects, exceeded, limits)
+    return Budget(max_objects, f"the pickle builds more than {max_objects} objects; refused (a decompression bomb, "
+                  "or not a checkpoint)", limits)
 
 
 def scan_pickle(data: bytes, *, max_objects: int = MAX_OBJECTS) -> PickleScan:
