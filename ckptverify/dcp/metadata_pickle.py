@@ -1,11 +1,12 @@
 """Unpickling DCP metadata without executing anything: per-parse stand-ins, a budget, a plain tree out.
 
 A configuration of :mod:`ckptverify.safeparse.unpickler`. The allowlist (DCP dataclasses, ``torch.Size``, dtypes,
-layouts, two enums, paths) resolves to stand-ins made afresh per parse, so a hostile pickle cannot change what a
-later parse uses. Stand-ins fail where the real objects would, at the same moment, so an accepted pickle is one
-real unpickling would accept. The result is a plain tree, built under a budget (``BUDGET_PER_BYTE * len(data) +
-BUDGET_BASE``: a "billion laughs" is refused in linear time); hashed tuples are bounded (``MAX_DEPTH``,
-``MAX_KEY_NODES``: ``hash`` recurses in C without limit) and stand-ins refuse growing tuples.
+layouts, two enums, paths) resolves to stand-ins made afresh per parse (but the dtypes, which nothing can change),
+so a hostile pickle cannot change what a later parse uses. Stand-ins fail where the real objects would, at the
+same moment, so an accepted pickle is one real unpickling would accept. The result is a plain tree, built under a
+budget (``BUDGET_PER_BYTE * len(data) + BUDGET_BASE``: a "billion laughs" is refused in linear time); hashed tuples
+are bounded (``MAX_DEPTH``, ``MAX_KEY_NODES``: ``hash`` recurses in C without limit) and stand-ins refuse growing
+tuples.
 
 The C unpickler reads only pickles :func:`~ckptverify.safeparse.pickle_subset.in_fast_subset` admits; any other,
 or any it fails on, goes to the pure-Python reference, whose outcome is the answer (a C refusal stands: it is
@@ -25,7 +26,9 @@ from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.pickle_subset import in_fast_subset
 from ckptverify.safeparse.unpickler import (
+    DTYPE_GLOBALS,
     Budget,
+    DTypeGlobal,
     FastUnpickler,
     FrozenGlobal,
     Limits,
@@ -317,7 +320,7 @@ def _check_properties_state(state: Any) -> None:
     dtype, layout, requires_grad, encoding, pin_memory = state
     if type(encoding) is not Enum or encoding.kind != "_MEM_FORMAT_ENCODING":
         raise BadPickle("TensorProperties memory format is not a _MEM_FORMAT_ENCODING")
-    if (type(dtype) is not _DTypeGlobal or type(layout) is not TorchLayout or type(requires_grad) is not bool
+    if (type(dtype) is not DTypeGlobal or type(layout) is not TorchLayout or type(requires_grad) is not bool
             or type(pin_memory) is not bool):
         raise BadPickle("TensorProperties state is not (dtype, layout, bool, memory format, bool)")
 
@@ -387,25 +390,13 @@ def _allowlist(budget: Budget) -> dict[tuple[str, str], Any]:
         allowed[(module, name)] = callable_global(f"{module}.{name}", enum_of(name))
     for name in _PATHS:
         allowed[("pathlib", name)] = callable_global(f"pathlib.{name}", make_path)
-    for name in DTYPE_ITEMSIZE:
-        allowed[("torch", name)] = _DTypeGlobal(name)
+    allowed.update(DTYPE_GLOBALS)
     return allowed
 
 
 _INT_ONLY = frozenset({int})
 
 
-class _DTypeGlobal(FrozenGlobal):
-    """A torch dtype global; not callable, like ``torch.float32``."""
-
-    __slots__ = ()
-
-    def __init__(self, name: str) -> None:
-        super().__init__(f"torch.{name}")
-
-    @property
-    def name(self) -> str:
-        return self._label[len("torch."):]
 
 
 
@@ -505,7 +496,7 @@ class _Plain:
             return PDict(tuple(pairs))
         if isinstance(value, _Record):
             return self._record(value, depth)
-        if t is _DTypeGlobal:
+        if t is DTypeGlobal:
             return _DTYPES[value.name]
         if isinstance(value, FrozenGlobal) or (isinstance(value, type) and issubclass(value, _Record)):
             raise BadPickle("a class or function itself appears as a value")
@@ -530,12 +521,12 @@ class _Plain:
             t = type(v)
             if t in _SCALAR_LEAVES:
                 continue
-            if depth <= MAX_DEPTH and (t is Size or t is Enum or t is TorchLayout or t is Path or t is _DTypeGlobal):
+            if depth <= MAX_DEPTH and (t is Size or t is Enum or t is TorchLayout or t is Path or t is DTypeGlobal):
                 # Leaves inline (what convert would do for them, charges included).
                 budget.left -= 1
                 if t is Size:
                     budget.left -= len(v)
-                elif t is _DTypeGlobal:
+                elif t is DTypeGlobal:
                     fields[k] = _DTYPES[v.name]
                 if budget.left < 0:
                     budget.charge(0)

@@ -24,7 +24,15 @@ import xxhash
 
 from ckptverify.errors import BadPickle
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE, is_row_major, view_extent
-from ckptverify.safeparse.unpickler import Budget, FrozenGlobal, Limits, ReferenceUnpickler, callable_global
+from ckptverify.safeparse.unpickler import (
+    DTYPE_GLOBALS,
+    Budget,
+    DTypeGlobal,
+    FrozenGlobal,
+    Limits,
+    ReferenceUnpickler,
+    callable_global,
+)
 
 __all__ = ["MAX_OBJECTS", "MAX_PICKLE_BYTES", "MAX_VALUES", "SUBCLASSES", "Opaque", "PickleScan", "StorageRef",
            "SubclassHeader", "TensorHeader", "item_header", "leaf_values", "scan_pickle"]
@@ -144,19 +152,9 @@ class PickleScan:
 # ----------------------------------------------------------------------------------- shared stand-ins
 
 
-class _DType(FrozenGlobal):
-    """A torch dtype global; not callable, like ``torch.float32``."""
-
-    __slots__ = ()
-
-    @property
-    def name(self) -> str:
-        return self._label[len("torch."):]
-
-
 def dtype_name(value: Any) -> str | None:
     """The dtype a dtype stand-in names (``float32``), else ``None``."""
-    return value.name if type(value) is _DType else None
+    return value.name if type(value) is DTypeGlobal else None
 
 
 class _StorageType(FrozenGlobal):
@@ -314,7 +312,7 @@ def _canonical(value: Any) -> Any:
     member or filled record is refused."""
     if value is None or type(value) in (bool, int, float, str):
         return value
-    if type(value) is _DType:
+    if type(value) is DTypeGlobal:
         return f"torch.{value.name}"
     if type(value) is _EnumValue:
         return {"enum": value._label, "value": value.value}
@@ -352,7 +350,7 @@ def _is_kind(value: Any, kind: str, part_type: type | None) -> bool:
     if kind == "part":
         return part_type is not None and isinstance(value, part_type)
     if kind in ("dtype", "elem"):
-        return type(value) is _DType or (kind == "elem" and type(value) is str and 0 < len(value) <= 64)
+        return type(value) is DTypeGlobal or (kind == "elem" and type(value) is str and 0 < len(value) <= 64)
     if kind == "int":
         return type(value) is int and 0 < value < 1 << 31
     if kind == "bool":
@@ -370,7 +368,8 @@ def _subclass_header(func: Any, new_type: Any, args: Any, state: Any) -> Subclas
     if type(args) is not tuple or len(args) != 8:
         raise BadPickle("malformed wrapper subclass arguments")
     cls, dtype, size, stride, offset, layout, _device, requires_grad = args
-    if cls is not new_type or type(dtype) is not _DType or layout is not _STRIDED or type(requires_grad) is not bool:
+    if (cls is not new_type or type(dtype) is not DTypeGlobal or layout is not _STRIDED
+            or type(requires_grad) is not bool):
         raise BadPickle("wrapper subclass arguments name another class, no dtype or another layout")
     if not isinstance(size, tuple) or not isinstance(stride, tuple) or len(size) > 64 or len(size) != len(stride):
         raise BadPickle("wrapper subclass size or stride is not a short tuple")
@@ -409,8 +408,7 @@ def _allowlist() -> dict[tuple[str, str], Any]:
         allowed[("torch._utils", name)] = callable_global(f"torch._utils.{name}", lambda data, *rest: data)
     for name in ("set", "frozenset"):
         allowed[("builtins", name)] = callable_global(f"builtins.{name}", lambda items=(): list(items))
-    for dtype in DTYPE_ITEMSIZE:
-        allowed[("torch", dtype)] = _DType(f"torch.{dtype}")
+    allowed.update(DTYPE_GLOBALS)
     for cls, dtype in LEGACY_STORAGE_DTYPES.items():  # after the dtypes: a storage name is never a dtype name
         allowed[("torch", cls)] = _StorageType(f"torch.{cls}", dtype)
     torchao = [*((label, _SubclassType(label)) for label in SUBCLASSES), *((label, _record_class(label)) for label in

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ckptverify.errors import BadPickle, UnsafeGlobal
+from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
 
-__all__ = ["Allowlisted", "Budget", "FastUnpickler", "FrozenGlobal", "Limits", "ReferenceUnpickler",
-           "callable_global"]
+__all__ = ["DTYPE_GLOBALS", "Allowlisted", "Budget", "DTypeGlobal", "FastUnpickler", "FrozenGlobal", "Limits",
+           "ReferenceUnpickler", "callable_global"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,20 @@ def callable_global(label: str, call: Callable[..., Any]) -> FrozenGlobal:
     """A :class:`FrozenGlobal` whose call is ``call`` (one Python call per ``REDUCE``)."""
     cls = type("_CallableGlobal", (FrozenGlobal,), {"__slots__": (), "__call__": staticmethod(call)})
     return cls(label)
+
+
+class DTypeGlobal(FrozenGlobal):
+    """A torch dtype global; not callable, like ``torch.float32``."""
+
+    __slots__ = ()
+
+    @property
+    def name(self) -> str:
+        return self._label[len("torch."):]
+
+
+#: Every dtype global a pickle may name -> its stand-in (one per process: none can be changed).
+DTYPE_GLOBALS: dict[tuple[str, str], DTypeGlobal] = {("torch", n): DTypeGlobal(f"torch.{n}") for n in DTYPE_ITEMSIZE}
 
 
 class Allowlisted:
