@@ -34,6 +34,7 @@ from ckptverify.safeparse.unpickler import (
     Limits,
     ReferenceUnpickler,
     callable_global,
+    refuse_build,
 )
 
 #: Charges per byte, and in addition: real metadata needs about one node per two bytes, a wide margin.
@@ -138,11 +139,6 @@ ALLOWED_GLOBALS: frozenset[str] = frozenset(
 # -------- The plain tree handed to validation: immutable values, no behaviour.
 
 
-def _refuse_build(self: Any, state: Any) -> None:
-    # A BUILD onto a checked value (an Enum, a Path) would rewrite it after its check: refused.
-    raise BadPickle(f"the pickle modifies a {type(self).__name__} value")
-
-
 @dataclass(frozen=True, slots=True)
 class Obj:
     """An allowlisted dataclass instance: its kind and the fields its pickle set (defaults filled in)."""
@@ -150,7 +146,7 @@ class Obj:
     kind: str
     fields: dict[str, Any]
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
 
 class Size(tuple):
@@ -163,7 +159,7 @@ class Size(tuple):
 class DType:
     name: str
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,14 +171,14 @@ class Enum:
     def name(self) -> str:
         return ENUMS[self.kind][1][self.value]
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
 
 @dataclass(frozen=True, slots=True)
 class Path:
     value: str
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +187,7 @@ class TorchLayout:
 
     name: str
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +196,7 @@ class PDict:
 
     items: tuple[tuple[Any, Any], ...]
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
 
 # -------- Stand-ins: new for every parse, immutable where they are shared.

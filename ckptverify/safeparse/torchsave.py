@@ -32,6 +32,7 @@ from ckptverify.safeparse.unpickler import (
     Limits,
     ReferenceUnpickler,
     callable_global,
+    refuse_build,
 )
 
 __all__ = ["MAX_OBJECTS", "MAX_PICKLE_BYTES", "MAX_VALUES", "SUBCLASSES", "Opaque", "PickleScan", "StorageRef",
@@ -57,11 +58,6 @@ LEGACY_STORAGE_DTYPES = {
 }  # fmt: skip
 
 
-def _refuse_build(self: Any, state: Any) -> None:
-    # A BUILD onto a checked record would rewrite it after its check (a frozen slots dataclass would allow it).
-    raise BadPickle(f"data.pkl modifies a {type(self).__name__}")
-
-
 @dataclass(frozen=True, slots=True)
 class StorageRef:
     """A storage record as the pickle references it: ``dtype`` ``None`` for an untyped storage, whose ``numel`` counts
@@ -71,7 +67,7 @@ class StorageRef:
     dtype: str | None
     numel: int
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +83,7 @@ class TensorHeader:
     size: tuple[int, ...]
     stride: tuple[int, ...]
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
     @property
     def is_row_major(self) -> bool:
@@ -246,7 +242,7 @@ class SubclassHeader:
     parts: tuple[tuple[str, Any], ...]
     context: str
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
     @property
     def short_name(self) -> str:

@@ -21,7 +21,7 @@ from ckptverify.errors import BadPickle, UnsafeGlobal
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
 
 __all__ = ["DTYPE_GLOBALS", "Allowlisted", "Budget", "DTypeGlobal", "FastUnpickler", "FrozenGlobal", "Limits",
-           "ReferenceUnpickler", "callable_global"]
+           "ReferenceUnpickler", "callable_global", "refuse_build"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,12 @@ def _tuple_nodes(t: tuple[Any, ...], memo: dict[int, tuple[int, int, tuple[Any, 
             raise BadPickle(f"a hashed tuple (a dict key or set member) holds more than {limits.max_key_nodes} values")
     memo[id(t)] = (nodes, height, t)
     return nodes
+
+
+def refuse_build(self: Any, state: Any) -> None:
+    """``__setstate__`` of a checked record (a frozen slots dataclass would take a ``BUILD``, rewriting the record
+    after its check): refused."""
+    raise BadPickle(f"the pickle modifies a {type(self).__name__}")
 
 
 class FrozenGlobal:
