@@ -35,6 +35,7 @@ from ckptverify.safeparse.unpickler import (
     ReferenceUnpickler,
     callable_global,
     refuse_build,
+    refusing,
 )
 
 #: Charges per byte, and in addition: real metadata needs about one node per two bytes, a wide margin.
@@ -400,8 +401,8 @@ _INT_ONLY = frozenset({int})
 def parse(data: bytes) -> Any:
     """Unpickle ``data`` through the allowlist and return the plain tree (fast path and fallback: module docstring).
 
-    Raises :class:`UnsafeGlobal` (global outside the allowlist), :class:`BadPickle` (budget, anything real unpickling
-    rejects or DCP never writes, and any other failure on hostile bytes) or ``pickle.UnpicklingError`` (not a pickle).
+    Raises :class:`UnsafeGlobal` (global outside the allowlist) or :class:`BadPickle` (budget, anything real
+    unpickling rejects or DCP never writes, not a pickle, and any other failure on hostile bytes).
     """
     with paused_gc():
         if not in_fast_subset(data):
@@ -422,22 +423,12 @@ def parse_reference(data: bytes) -> Any:
 
 def _parse(data: bytes, *, fast: bool) -> Any:
     budget = _budget(len(data))
-    try:
+    with refusing():
         allowed = _allowlist(budget)
         unpickler = FastUnpickler(data, allowed) if fast else _SafeUnpickler(data, allowed, budget)
         raw = unpickler.load()
         del unpickler  # its memo holds every state dict BUILD copied: free them before converting
         return _Plain(budget).convert(raw, 0)
-    except (UnsafeGlobal, BadPickle):
-        raise
-    except pickle.UnpicklingError as exc:
-        raise BadPickle(f"not a valid pickle: {exc}"[:300]) from None
-    except MemoryError:
-        raise BadPickle("the pickle asks for more memory than is available") from None
-    except RecursionError:
-        raise BadPickle("the pickle nests too deeply") from None
-    except Exception as exc:  # hostile bytes: every failure is a finding, never a traceback
-        raise BadPickle(f"{type(exc).__name__}: {exc}"[:300]) from None
 
 
 _DTYPES = {name: DType(name) for name in DTYPE_ITEMSIZE}

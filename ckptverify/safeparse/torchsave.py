@@ -33,6 +33,7 @@ from ckptverify.safeparse.unpickler import (
     ReferenceUnpickler,
     callable_global,
     refuse_build,
+    refusing,
 )
 
 __all__ = ["MAX_OBJECTS", "MAX_PICKLE_BYTES", "MAX_VALUES", "SUBCLASSES", "Opaque", "PickleScan", "StorageRef",
@@ -540,13 +541,8 @@ def scan_pickle(data: bytes, *, max_objects: int = MAX_OBJECTS) -> PickleScan:
         raise BadPickle(f"data.pkl is {len(data)} bytes, more than this tool reads ({MAX_PICKLE_BYTES})")
     scan = PickleScan(root=None)
     budget = _budget(max_objects, LIMITS)
-    try:
+    with refusing():
         scan.root = _Reader(data, scan, budget, opaque=True).load()
-    except BadPickle:
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
-            RecursionError, MemoryError, OverflowError, UnicodeDecodeError, ImportError) as exc:
-        raise BadPickle(f"not a readable pickle: {type(exc).__name__}: {exc}"[:300]) from None
     _walk(scan, budget)
     return scan
 
@@ -570,15 +566,12 @@ def _cached_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
 
 def _read_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
     try:
-        obj = _Reader(data_pkl, PickleScan(root=None), _budget(MAX_OBJECTS, ITEM_LIMITS), opaque=False).load()
-        if isinstance(obj, TensorHeader | SubclassHeader):
-            return obj
-    except pickle.UnpicklingError:
-        raise
+        with refusing():
+            obj = _Reader(data_pkl, PickleScan(root=None), _budget(MAX_OBJECTS, ITEM_LIMITS), opaque=False).load()
     except BadPickle as exc:  # a record's callers expect what the C unpickler raises, as torch.load does
         raise pickle.UnpicklingError(str(exc)) from None
-    except Exception as exc:  # hostile bytes: any failure is "not a tensor record", never a traceback
-        raise pickle.UnpicklingError(f"{type(exc).__name__}: {exc}"[:300]) from None
+    if isinstance(obj, TensorHeader | SubclassHeader):
+        return obj
     raise pickle.UnpicklingError(f"data.pkl holds {type(obj).__name__}, not a tensor")
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -21,7 +22,7 @@ from ckptverify.errors import BadPickle, UnsafeGlobal
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
 
 __all__ = ["DTYPE_GLOBALS", "Allowlisted", "Budget", "DTypeGlobal", "FastUnpickler", "FrozenGlobal", "Limits",
-           "ReferenceUnpickler", "callable_global", "refuse_build"]
+           "ReferenceUnpickler", "callable_global", "refuse_build", "refusing"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,21 @@ def _tuple_nodes(t: tuple[Any, ...], memo: dict[int, tuple[int, int, tuple[Any, 
             raise BadPickle(f"a hashed tuple (a dict key or set member) holds more than {limits.max_key_nodes} values")
     memo[id(t)] = (nodes, height, t)
     return nodes
+
+
+@contextmanager
+def refusing() -> Iterator[None]:
+    """Any failure of a read of untrusted bytes, within, as a :class:`BadPickle`: a finding, never a traceback."""
+    try:
+        yield
+    except (BadPickle, UnsafeGlobal):
+        raise
+    except MemoryError:
+        raise BadPickle("the pickle asks for more memory than is available") from None
+    except RecursionError:
+        raise BadPickle("the pickle nests too deeply") from None
+    except Exception as exc:
+        raise BadPickle(f"not a readable pickle: {type(exc).__name__}: {exc}"[:300]) from None
 
 
 def refuse_build(self: Any, state: Any) -> None:
