@@ -452,7 +452,7 @@ class _Reader(ReferenceUnpickler):
             self._classes[qual] = _opaque_class(qual)
         return self._classes[qual]
 
-    def persistent(self, pid: Any) -> Any:
+    def persistent_load(self, pid: Any) -> Any:
         self._budget.charge()
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
             raise BadPickle("a persistent reference that is not a torch storage")

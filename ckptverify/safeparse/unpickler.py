@@ -62,14 +62,13 @@ class Budget:
         if self.left < 0:
             raise BadPickle(self.exceeded)
 
-    def check_hashable(self, value: Any, flat: type | None = None, what: str = "the pickle") -> None:
-        """Refuse, before hashing, a tuple whose hash would recurse past :attr:`Limits.max_depth` or visit more than
-        :attr:`Limits.max_key_nodes` values (``hash`` recurses in C without limit). ``flat``: a scalar-only tuple type
-        (counted, not walked). Each tuple is examined once per parse."""
-        if isinstance(value, tuple) and type(value) is not flat:
-            if self.limits.max_key_nodes == 0:
-                raise BadPickle(f"{what} uses a tuple as a dict key or set member")
-            _tuple_nodes(value, self.tuples, 0, self.limits, flat)
+    def check_hashable(self, value: tuple[Any, ...], flat: type | None = None, what: str = "the pickle") -> None:
+        """Refuse, before hashing, a tuple (not a ``flat`` one: a scalar-only tuple type, counted, not walked) whose
+        hash would recurse past :attr:`Limits.max_depth` or visit more than :attr:`Limits.max_key_nodes` values
+        (``hash`` recurses in C without limit). Each tuple is examined once per parse."""
+        if self.limits.max_key_nodes == 0:
+            raise BadPickle(f"{what} uses a tuple as a dict key or set member")
+        _tuple_nodes(value, self.tuples, 0, self.limits, flat)
 
 
 def _tuple_nodes(t: tuple[Any, ...], memo: dict[int, tuple[int, int, tuple[Any, ...]]], depth: int, limits: Limits,
@@ -160,7 +159,7 @@ DTYPE_GLOBALS: dict[tuple[str, str], DTypeGlobal] = {("torch", n): DTypeGlobal(f
 
 class Allowlisted:
     """What both unpicklers resolve alike: globals through the allowlist (``self._allowed``), persistent ids
-    through :meth:`persistent` (refused unless a configuration reads them)."""
+    refused (unless a configuration reads them)."""
 
     _allowed: dict[tuple[str, str], Any]
 
@@ -175,9 +174,6 @@ class Allowlisted:
         raise UnsafeGlobal(f"{module}.{name}"[:300])
 
     def persistent_load(self, pid: Any) -> Any:
-        return self.persistent(pid)
-
-    def persistent(self, pid: Any) -> Any:
         raise BadPickle("the pickle uses a persistent id")
 
 
@@ -200,9 +196,6 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
     #: Opcodes the configuration never expects: refused with :attr:`refused_opcodes_reason`.
     refused_opcodes: ClassVar[tuple[bytes, ...]] = ()
     refused_opcodes_reason: ClassVar[str] = "an opcode this reader does not expect"
-    #: ``BUILD`` onto a value without ``__setstate__``: allow the C unpickler's no-ops (a state of ``None``, an
-    #: empty slot state), or refuse every one.
-    noop_build: ClassVar[bool] = True
     #: A tuple subclass known to hold scalars only (counted, not walked, when hashed).
     flat_tuple: ClassVar[type | None] = None
     #: What messages call the pickle.
@@ -231,8 +224,6 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
         if setstate is not None:
             setstate(state)
             return
-        if not self.noop_build:
-            raise BadPickle(f"{self.what} sets the state of a value that has none")
         # As the C unpickler: without __setstate__, a None state and an empty slot state are no-ops.
         slots = None
         if isinstance(state, tuple) and len(state) == 2:
