@@ -127,15 +127,6 @@ LAYOUTS = frozenset({"torch.strided", "torch.sparse_coo", "torch.sparse_csr", "t
 
 _PATHS = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path")
 
-#: Every global a DCP ``.metadata`` may name, as ``module.name``.
-ALLOWED_GLOBALS: frozenset[str] = frozenset(
-    [f"{k.module}.{k.name}" for k in KINDS.values()]
-    + [f"{mod}.{name}" for name, (mod, _) in ENUMS.items()]
-    + ["torch.Size", "torch.serialization._get_layout"]
-    + [f"pathlib.{p}" for p in _PATHS]
-    + [f"torch.{d}" for d in DTYPE_ITEMSIZE]
-)
-
 
 # -------- The plain tree handed to validation: immutable values, no behaviour.
 
@@ -389,6 +380,10 @@ def _allowlist(budget: Budget) -> dict[tuple[str, str], Any]:
         allowed[("pathlib", name)] = callable_global(f"pathlib.{name}", make_path)
     allowed.update(DTYPE_GLOBALS)
     return allowed
+
+
+#: Every global a DCP ``.metadata`` may name, as ``module.name``.
+ALLOWED_GLOBALS: frozenset[str] = frozenset(f"{module}.{name}" for module, name in _allowlist(_budget(0)))
 
 
 _INT_ONLY = frozenset({int})
