@@ -316,7 +316,10 @@ def _check_properties_state(state: Any) -> None:
 class _SafeUnpickler(ReferenceUnpickler):
     """The framework's pure-Python reference unpickler, refusing the opcodes DCP never writes (the C unpickler, the
     framework's :class:`FastUnpickler`, reads only what :func:`in_fast_subset` admits, which holds none of them).
-    """
+
+    Unlike the ``torch.save`` reader it charges nothing per global or opcode: only the stand-ins and the conversion,
+    which both unpicklers run, charge, so both spend the budget alike (every other opcode works in proportion to
+    its bytes)."""
 
     refused_opcodes = (pickle.INT, pickle.LONG, pickle.FLOAT, pickle.STRING, pickle.UNICODE, pickle.GET, pickle.PUT,
                        pickle.INST, pickle.OBJ, pickle.PERSID, pickle.BINPERSID, pickle.EXT1, pickle.EXT2,

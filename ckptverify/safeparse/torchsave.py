@@ -266,11 +266,7 @@ class _EnumValue(FrozenGlobal):
         object.__setattr__(self, "value", value)
 
 
-class _Layout(FrozenGlobal):
-    __slots__ = ()
-
-
-_STRIDED = _Layout("torch.strided")
+_STRIDED = FrozenGlobal("torch.strided")  # the one layout ``_get_layout`` resolves
 
 
 def _enum_global(label: str, values: frozenset[str]) -> FrozenGlobal:
