@@ -1,11 +1,12 @@
 """Unpickling DCP metadata without executing anything: per-parse stand-ins, a budget, a plain tree out.
 
 A configuration of :mod:`ckptverify.safeparse.unpickler`. The allowlist (DCP dataclasses, ``torch.Size``, dtypes,
-layouts, two enums, paths) resolves to stand-ins made afresh per parse, so a hostile pickle cannot change what a
-later parse uses. Stand-ins fail where the real objects would, at the same moment, so an accepted pickle is one
-real unpickling would accept. The result is a plain tree, built under a budget (``BUDGET_PER_BYTE * len(data) +
-BUDGET_BASE``: a "billion laughs" is refused in linear time); hashed tuples are bounded (``MAX_DEPTH``,
-``MAX_KEY_NODES``: ``hash`` recurses in C without limit) and stand-ins refuse growing tuples.
+layouts, two enums, paths) resolves to stand-ins made afresh per parse (but the dtypes, which nothing can change),
+so a hostile pickle cannot change what a later parse uses. Stand-ins fail where the real objects would, at the
+same moment, so an accepted pickle is one real unpickling would accept. The result is a plain tree, built under a
+budget (``BUDGET_PER_BYTE * len(data) + BUDGET_BASE``: a "billion laughs" is refused in linear time); hashed tuples
+are bounded (``MAX_DEPTH``, ``MAX_KEY_NODES``: ``hash`` recurses in C without limit) and stand-ins refuse growing
+tuples.
 
 The C unpickler reads only pickles :func:`~ckptverify.safeparse.pickle_subset.in_fast_subset` admits; any other,
 or any it fails on, goes to the pure-Python reference, whose outcome is the answer (a C refusal stands: it is
@@ -18,19 +19,23 @@ import pickle
 import re
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any, ClassVar
+from typing import Any
 
 from ckptverify.errors import BadPickle, UnsafeGlobal
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.pickle_subset import in_fast_subset
 from ckptverify.safeparse.unpickler import (
+    DTYPE_GLOBALS,
     Budget,
+    DTypeGlobal,
     FastUnpickler,
     FrozenGlobal,
     Limits,
     ReferenceUnpickler,
     callable_global,
+    refuse_build,
+    refusing,
 )
 
 #: Charges per byte, and in addition: real metadata needs about one node per two bytes, a wide margin.
@@ -122,22 +127,8 @@ LAYOUTS = frozenset({"torch.strided", "torch.sparse_coo", "torch.sparse_csr", "t
 
 _PATHS = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path")
 
-#: Every global a DCP ``.metadata`` may name, as ``module.name``.
-ALLOWED_GLOBALS: frozenset[str] = frozenset(
-    [f"{k.module}.{k.name}" for k in KINDS.values()]
-    + [f"{mod}.{name}" for name, (mod, _) in ENUMS.items()]
-    + ["torch.Size", "torch.serialization._get_layout"]
-    + [f"pathlib.{p}" for p in _PATHS]
-    + [f"torch.{d}" for d in DTYPE_ITEMSIZE]
-)
-
 
 # -------- The plain tree handed to validation: immutable values, no behaviour.
-
-
-def _refuse_build(self: Any, state: Any) -> None:
-    # A BUILD onto a checked value (an Enum, a Path) would rewrite it after its check: refused.
-    raise BadPickle(f"the pickle modifies a {type(self).__name__} value")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +138,7 @@ class Obj:
     kind: str
     fields: dict[str, Any]
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
 
 class Size(tuple):
@@ -160,7 +151,7 @@ class Size(tuple):
 class DType:
     name: str
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,14 +163,14 @@ class Enum:
     def name(self) -> str:
         return ENUMS[self.kind][1][self.value]
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
 
 @dataclass(frozen=True, slots=True)
 class Path:
     value: str
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +179,7 @@ class TorchLayout:
 
     name: str
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,36 +188,16 @@ class PDict:
 
     items: tuple[tuple[Any, Any], ...]
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
 
 # -------- Stand-ins: new for every parse, immutable where they are shared.
 
 
-class _Budget(Budget):
-    """The framework's budget with this configuration's limits and refusal."""
-
-    __slots__ = ()
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(limit, _budget_exceeded, LIMITS)
-
-
-def _budget_exceeded() -> BadPickle:
-    return BadPickle("the pickle asks for more work than its size allows (a memoized structure expanded past "
-                     f"the budget; limit: {BUDGET_PER_BYTE} per byte + {BUDGET_BASE})")
-
-
-class _Global(FrozenGlobal):
-    """A shared global (function, enum, dtype) that refuses ``BUILD``. Callable ones come from
-    :func:`_callable_global` (one Python call per ``REDUCE``)."""
-
-    __slots__ = ()
-    Refused: ClassVar[type[Exception]] = BadPickle
-
-
-def _callable_global(label: str, call: Any) -> _Global:
-    return callable_global(_Global, label, call)  # type: ignore[return-value]
+def _budget(size: int) -> Budget:
+    """The budget of a pickle of ``size`` bytes."""
+    return Budget(LIMITS.work(size), "the pickle asks for more work than its size allows (a memoized structure "
+                  f"expanded past the budget; limit: {BUDGET_PER_BYTE} per byte + {BUDGET_BASE})", LIMITS)
 
 
 class _Record:
@@ -315,7 +286,7 @@ class _Record:
             else:
                 raise BadPickle(f"{kind.name} is hashed before its field {name!r} is set")
             if isinstance(value, tuple) and type(value) is not Size:  # a Size holds ints only
-                budget.check_hashable(value, BadPickle, Size)
+                budget.check_hashable(value, Size)
             values.append(value)
         try:
             return hash(tuple(values))
@@ -337,25 +308,19 @@ def _check_properties_state(state: Any) -> None:
     dtype, layout, requires_grad, encoding, pin_memory = state
     if type(encoding) is not Enum or encoding.kind != "_MEM_FORMAT_ENCODING":
         raise BadPickle("TensorProperties memory format is not a _MEM_FORMAT_ENCODING")
-    if (type(dtype) is not _DTypeGlobal or type(layout) is not TorchLayout or type(requires_grad) is not bool
+    if (type(dtype) is not DTypeGlobal or type(layout) is not TorchLayout or type(requires_grad) is not bool
             or type(pin_memory) is not bool):
         raise BadPickle("TensorProperties state is not (dtype, layout, bool, memory format, bool)")
 
 
-class _Resolution:
-    """What both unpicklers do with a global outside the allowlist and with a persistent id: refuse."""
+class _SafeUnpickler(ReferenceUnpickler):
+    """The framework's pure-Python reference unpickler, refusing the opcodes DCP never writes (the C unpickler, the
+    framework's :class:`FastUnpickler`, reads only what :func:`in_fast_subset` admits, which holds none of them).
 
-    def unknown_global(self, module: str, name: str) -> Any:
-        raise UnsafeGlobal(f"{module}.{name}"[:300])
+    Unlike the ``torch.save`` reader it charges nothing per global or opcode: only the stand-ins and the conversion,
+    which both unpicklers run, charge, so both spend the budget alike (every other opcode works in proportion to
+    its bytes)."""
 
-    def persistent(self, pid: Any) -> Any:
-        raise BadPickle("persistent ids are not used by DCP metadata")
-
-
-class _SafeUnpickler(_Resolution, ReferenceUnpickler):
-    """The framework's pure-Python reference unpickler, refusing the opcodes DCP never writes."""
-
-    Refused = BadPickle
     refused_opcodes = (pickle.INT, pickle.LONG, pickle.FLOAT, pickle.STRING, pickle.UNICODE, pickle.GET, pickle.PUT,
                        pickle.INST, pickle.OBJ, pickle.PERSID, pickle.BINPERSID, pickle.EXT1, pickle.EXT2,
                        pickle.EXT4)
@@ -364,11 +329,7 @@ class _SafeUnpickler(_Resolution, ReferenceUnpickler):
     flat_tuple = Size
 
 
-class _FastUnpickler(_Resolution, FastUnpickler):
-    """The C unpickler through the same allowlist; only for pickles :func:`in_fast_subset` admits."""
-
-
-def _allowlist(budget: _Budget) -> dict[tuple[str, str], Any]:
+def _allowlist(budget: Budget) -> dict[tuple[str, str], Any]:
     """A fresh allowlist: new record classes, new global stand-ins, bound to this parse's budget."""
     allowed: dict[tuple[str, str], Any] = {}
     for kind in KINDS.values():
@@ -413,32 +374,24 @@ def _allowlist(budget: _Budget) -> dict[tuple[str, str], Any]:
             raise BadPickle("path with non-string parts (pathlib raises on it)")
         return Path(str(PurePosixPath(*parts)) if parts else ".")
 
-    allowed[("torch", "Size")] = _callable_global("torch.Size", make_size)
-    allowed[("torch.serialization", "_get_layout")] = _callable_global("torch.serialization._get_layout",
+    allowed[("torch", "Size")] = callable_global("torch.Size", make_size)
+    allowed[("torch.serialization", "_get_layout")] = callable_global("torch.serialization._get_layout",
                                                                        make_layout)
     for name, (module, _) in ENUMS.items():
-        allowed[(module, name)] = _callable_global(f"{module}.{name}", enum_of(name))
+        allowed[(module, name)] = callable_global(f"{module}.{name}", enum_of(name))
     for name in _PATHS:
-        allowed[("pathlib", name)] = _callable_global(f"pathlib.{name}", make_path)
-    for name in DTYPE_ITEMSIZE:
-        allowed[("torch", name)] = _DTypeGlobal(name)
+        allowed[("pathlib", name)] = callable_global(f"pathlib.{name}", make_path)
+    allowed.update(DTYPE_GLOBALS)
     return allowed
+
+
+#: Every global a DCP ``.metadata`` may name, as ``module.name``.
+ALLOWED_GLOBALS: frozenset[str] = frozenset(f"{module}.{name}" for module, name in _allowlist(_budget(0)))
 
 
 _INT_ONLY = frozenset({int})
 
 
-class _DTypeGlobal(_Global):
-    """A torch dtype global; not callable, like ``torch.float32``."""
-
-    __slots__ = ()
-
-    def __init__(self, name: str) -> None:
-        super().__init__(f"torch.{name}")
-
-    @property
-    def name(self) -> str:
-        return self._label[len("torch."):]
 
 
 
@@ -446,8 +399,8 @@ class _DTypeGlobal(_Global):
 def parse(data: bytes) -> Any:
     """Unpickle ``data`` through the allowlist and return the plain tree (fast path and fallback: module docstring).
 
-    Raises :class:`UnsafeGlobal` (global outside the allowlist), :class:`BadPickle` (budget, anything real unpickling
-    rejects or DCP never writes, and any other failure on hostile bytes) or ``pickle.UnpicklingError`` (not a pickle).
+    Raises :class:`UnsafeGlobal` (global outside the allowlist) or :class:`BadPickle` (budget, anything real
+    unpickling rejects or DCP never writes, not a pickle, and any other failure on hostile bytes).
     """
     with paused_gc():
         if not in_fast_subset(data):
@@ -467,23 +420,13 @@ def parse_reference(data: bytes) -> Any:
 
 
 def _parse(data: bytes, *, fast: bool) -> Any:
-    budget = _Budget(BUDGET_PER_BYTE * len(data) + BUDGET_BASE)
-    try:
+    budget = _budget(len(data))
+    with refusing():
         allowed = _allowlist(budget)
-        unpickler = _FastUnpickler(data, allowed) if fast else _SafeUnpickler(data, allowed, budget)
+        unpickler = FastUnpickler(data, allowed) if fast else _SafeUnpickler(data, allowed, budget)
         raw = unpickler.load()
         del unpickler  # its memo holds every state dict BUILD copied: free them before converting
         return _Plain(budget).convert(raw, 0)
-    except (UnsafeGlobal, BadPickle):
-        raise
-    except pickle.UnpicklingError as exc:
-        raise BadPickle(f"not a valid pickle: {exc}"[:300]) from None
-    except MemoryError:
-        raise BadPickle("the pickle asks for more memory than is available") from None
-    except RecursionError:
-        raise BadPickle("the pickle nests too deeply") from None
-    except Exception as exc:  # hostile bytes: every failure is a finding, never a traceback
-        raise BadPickle(f"{type(exc).__name__}: {exc}"[:300]) from None
 
 
 _DTYPES = {name: DType(name) for name in DTYPE_ITEMSIZE}
@@ -496,7 +439,7 @@ _set_obj_fields = Obj.fields.__set__  # type: ignore[attr-defined]
 class _Plain:
     """Turns what the unpickler built into the plain tree, charging every node to the budget."""
 
-    def __init__(self, budget: _Budget) -> None:
+    def __init__(self, budget: Budget) -> None:
         self.budget = budget
 
     def convert(self, value: Any, depth: int) -> Any:
@@ -538,9 +481,9 @@ class _Plain:
             return PDict(tuple(pairs))
         if isinstance(value, _Record):
             return self._record(value, depth)
-        if t is _DTypeGlobal:
+        if t is DTypeGlobal:
             return _DTYPES[value.name]
-        if isinstance(value, _Global) or (isinstance(value, type) and issubclass(value, _Record)):
+        if isinstance(value, FrozenGlobal) or (isinstance(value, type) and issubclass(value, _Record)):
             raise BadPickle("a class or function itself appears as a value")
         raise BadPickle(f"a value of type {t.__name__} appears, which DCP metadata never holds")
 
@@ -563,12 +506,12 @@ class _Plain:
             t = type(v)
             if t in _SCALAR_LEAVES:
                 continue
-            if depth <= MAX_DEPTH and (t is Size or t is Enum or t is TorchLayout or t is Path or t is _DTypeGlobal):
+            if depth <= MAX_DEPTH and (t is Size or t is Enum or t is TorchLayout or t is Path or t is DTypeGlobal):
                 # Leaves inline (what convert would do for them, charges included).
                 budget.left -= 1
                 if t is Size:
                     budget.left -= len(v)
-                elif t is _DTypeGlobal:
+                elif t is DTypeGlobal:
                     fields[k] = _DTYPES[v.name]
                 if budget.left < 0:
                     budget.charge(0)

@@ -18,13 +18,23 @@ import functools
 import json
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import xxhash
 
 from ckptverify.errors import BadPickle
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE, is_row_major, view_extent
-from ckptverify.safeparse.unpickler import Budget, FrozenGlobal, Limits, ReferenceUnpickler, callable_global
+from ckptverify.safeparse.unpickler import (
+    DTYPE_GLOBALS,
+    Budget,
+    DTypeGlobal,
+    FrozenGlobal,
+    Limits,
+    ReferenceUnpickler,
+    callable_global,
+    refuse_build,
+    refusing,
+)
 
 __all__ = ["MAX_OBJECTS", "MAX_PICKLE_BYTES", "MAX_VALUES", "SUBCLASSES", "Opaque", "PickleScan", "StorageRef",
            "SubclassHeader", "TensorHeader", "item_header", "leaf_values", "scan_pickle"]
@@ -49,11 +59,6 @@ LEGACY_STORAGE_DTYPES = {
 }  # fmt: skip
 
 
-def _refuse_build(self: Any, state: Any) -> None:
-    # A BUILD onto a checked record would rewrite it after its check (a frozen slots dataclass would allow it).
-    raise BadPickle(f"data.pkl modifies a {type(self).__name__}")
-
-
 @dataclass(frozen=True, slots=True)
 class StorageRef:
     """A storage record as the pickle references it: ``dtype`` ``None`` for an untyped storage, whose ``numel`` counts
@@ -63,7 +68,7 @@ class StorageRef:
     dtype: str | None
     numel: int
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +84,7 @@ class TensorHeader:
     size: tuple[int, ...]
     stride: tuple[int, ...]
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
     @property
     def is_row_major(self) -> bool:
@@ -144,30 +149,12 @@ class PickleScan:
 # ----------------------------------------------------------------------------------- shared stand-ins
 
 
-class _Global(FrozenGlobal):
-    """A global of the allowlist (function, dtype, storage type): refuses ``BUILD``."""
-
-    __slots__ = ()
-    Refused: ClassVar[type[Exception]] = BadPickle
-    modified: ClassVar[str] = "data.pkl modifies a global ({label})"
-
-
-class _DType(_Global):
-    """A torch dtype global; not callable, like ``torch.float32``."""
-
-    __slots__ = ()
-
-    @property
-    def name(self) -> str:
-        return self._label[len("torch."):]
-
-
 def dtype_name(value: Any) -> str | None:
     """The dtype a dtype stand-in names (``float32``), else ``None``."""
-    return value.name if type(value) is _DType else None
+    return value.name if type(value) is DTypeGlobal else None
 
 
-class _StorageType(_Global):
+class _StorageType(FrozenGlobal):
     """A storage class global; ``dtype`` is its dtype (``None`` for ``UntypedStorage``)."""
 
     __slots__ = ("dtype",)
@@ -256,20 +243,20 @@ class SubclassHeader:
     parts: tuple[tuple[str, Any], ...]
     context: str
 
-    __setstate__ = _refuse_build
+    __setstate__ = refuse_build
 
     @property
     def short_name(self) -> str:
         return self.cls.rsplit(".", 1)[-1]
 
 
-class _SubclassType(_Global):
+class _SubclassType(FrozenGlobal):
     """A tensor subclass global of :data:`SUBCLASSES`: only a value to name the class by."""
 
     __slots__ = ()
 
 
-class _EnumValue(_Global):
+class _EnumValue(FrozenGlobal):
     """A member of an allowlisted enum, by its value."""
 
     __slots__ = ("value",)
@@ -279,11 +266,7 @@ class _EnumValue(_Global):
         object.__setattr__(self, "value", value)
 
 
-class _Layout(_Global):
-    __slots__ = ()
-
-
-_STRIDED = _Layout("torch.strided")
+_STRIDED = FrozenGlobal("torch.strided")  # the one layout ``_get_layout`` resolves
 
 
 def _enum_global(label: str, values: frozenset[str]) -> FrozenGlobal:
@@ -292,7 +275,7 @@ def _enum_global(label: str, values: frozenset[str]) -> FrozenGlobal:
             raise BadPickle(f"{label} has no member {str(value)[:40]!r}")
         return _EnumValue(label, value)
 
-    return callable_global(_Global, label, make)
+    return callable_global(label, make)
 
 
 def _record_class(label: str) -> type:
@@ -322,7 +305,7 @@ def _canonical(value: Any) -> Any:
     member or filled record is refused."""
     if value is None or type(value) in (bool, int, float, str):
         return value
-    if type(value) is _DType:
+    if type(value) is DTypeGlobal:
         return f"torch.{value.name}"
     if type(value) is _EnumValue:
         return {"enum": value._label, "value": value.value}
@@ -360,7 +343,7 @@ def _is_kind(value: Any, kind: str, part_type: type | None) -> bool:
     if kind == "part":
         return part_type is not None and isinstance(value, part_type)
     if kind in ("dtype", "elem"):
-        return type(value) is _DType or (kind == "elem" and type(value) is str and 0 < len(value) <= 64)
+        return type(value) is DTypeGlobal or (kind == "elem" and type(value) is str and 0 < len(value) <= 64)
     if kind == "int":
         return type(value) is int and 0 < value < 1 << 31
     if kind == "bool":
@@ -378,7 +361,8 @@ def _subclass_header(func: Any, new_type: Any, args: Any, state: Any) -> Subclas
     if type(args) is not tuple or len(args) != 8:
         raise BadPickle("malformed wrapper subclass arguments")
     cls, dtype, size, stride, offset, layout, _device, requires_grad = args
-    if cls is not new_type or type(dtype) is not _DType or layout is not _STRIDED or type(requires_grad) is not bool:
+    if (cls is not new_type or type(dtype) is not DTypeGlobal or layout is not _STRIDED
+            or type(requires_grad) is not bool):
         raise BadPickle("wrapper subclass arguments name another class, no dtype or another layout")
     if not isinstance(size, tuple) or not isinstance(stride, tuple) or len(size) > 64 or len(size) != len(stride):
         raise BadPickle("wrapper subclass size or stride is not a short tuple")
@@ -402,9 +386,6 @@ def _allowlist() -> dict[tuple[str, str], Any]:
     """Every global a ``torch.save`` pickle may name -> its shared stand-in. The tensor rebuilds, the subclass
     rebuild and the layout lookup are the reader's own (:data:`_READER_GLOBALS`)."""
 
-    def shared(label: str, call: Any) -> FrozenGlobal:
-        return callable_global(_Global, label, call)
-
     allowed: dict[tuple[str, str], Any] = {
         ("torch._utils", "_rebuild_wrapper_subclass"): _WRAPPER,
         # A device (a subclass record names one; so does a Lightning hyperparameter) stays an inert placeholder,
@@ -412,16 +393,15 @@ def _allowlist() -> dict[tuple[str, str], Any]:
         ("torch", "device"): _opaque_class("torch.device"),
         ("torch.storage", "UntypedStorage"): _StorageType("torch.storage.UntypedStorage", None),
         ("torch", "UntypedStorage"): _StorageType("torch.UntypedStorage", "uint8"),
-        ("torch", "Size"): shared("torch.Size", lambda dims=(): tuple(dims)),
-        ("collections", "OrderedDict"): shared("collections.OrderedDict", _ordered_dict),
-        ("_codecs", "encode"): shared("_codecs.encode", _encode),
+        ("torch", "Size"): callable_global("torch.Size", lambda dims=(): tuple(dims)),
+        ("collections", "OrderedDict"): callable_global("collections.OrderedDict", _ordered_dict),
+        ("_codecs", "encode"): callable_global("_codecs.encode", _encode),
     }
     for name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
-        allowed[("torch._utils", name)] = shared(f"torch._utils.{name}", lambda data, *rest: data)
+        allowed[("torch._utils", name)] = callable_global(f"torch._utils.{name}", lambda data, *rest: data)
     for name in ("set", "frozenset"):
-        allowed[("builtins", name)] = shared(f"builtins.{name}", lambda items=(): list(items))
-    for dtype in DTYPE_ITEMSIZE:
-        allowed[("torch", dtype)] = _DType(f"torch.{dtype}")
+        allowed[("builtins", name)] = callable_global(f"builtins.{name}", lambda items=(): list(items))
+    allowed.update(DTYPE_GLOBALS)
     for cls, dtype in LEGACY_STORAGE_DTYPES.items():  # after the dtypes: a storage name is never a dtype name
         allowed[("torch", cls)] = _StorageType(f"torch.{cls}", dtype)
     torchao = [*((label, _SubclassType(label)) for label in SUBCLASSES), *((label, _record_class(label)) for label in
@@ -430,7 +410,7 @@ def _allowlist() -> dict[tuple[str, str], Any]:
     return allowed
 
 
-_WRAPPER = _Global("torch._utils._rebuild_wrapper_subclass")
+_WRAPPER = FrozenGlobal("torch._utils._rebuild_wrapper_subclass")
 _ALLOWED = _allowlist()
 #: Globals the reader resolves to its own methods (they record storages and tensors, and follow the policy).
 _READER_GLOBALS = {
@@ -446,7 +426,6 @@ class _Reader(ReferenceUnpickler):
     """The reference unpickler over the allowlist. ``opaque``: a global outside it becomes an :class:`Opaque` class
     (else it is refused). Every global, storage and tensor is charged to the budget."""
 
-    Refused = BadPickle
     what = "data.pkl"
 
     def __init__(self, data: bytes, scan: PickleScan, budget: Budget, opaque: bool) -> None:
@@ -469,7 +448,7 @@ class _Reader(ReferenceUnpickler):
             self._classes[qual] = _opaque_class(qual)
         return self._classes[qual]
 
-    def persistent(self, pid: Any) -> Any:
+    def persistent_load(self, pid: Any) -> Any:
         self._budget.charge()
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
             raise BadPickle("a persistent reference that is not a torch storage")
@@ -547,11 +526,8 @@ class _Reader(ReferenceUnpickler):
 
 
 def _budget(max_objects: int, limits: Limits) -> Budget:
-    def exceeded() -> BadPickle:
-        return BadPickle(f"the pickle builds more than {max_objects} objects; refused (a decompression "
-                         "bomb, or not a checkpoint)")
-
-    return Budget(max_objects, exceeded, limits)
+    return Budget(max_objects, f"the pickle builds more than {max_objects} objects; refused (a decompression bomb, "
+                  "or not a checkpoint)", limits)
 
 
 def scan_pickle(data: bytes, *, max_objects: int = MAX_OBJECTS) -> PickleScan:
@@ -561,13 +537,8 @@ def scan_pickle(data: bytes, *, max_objects: int = MAX_OBJECTS) -> PickleScan:
         raise BadPickle(f"data.pkl is {len(data)} bytes, more than this tool reads ({MAX_PICKLE_BYTES})")
     scan = PickleScan(root=None)
     budget = _budget(max_objects, LIMITS)
-    try:
+    with refusing():
         scan.root = _Reader(data, scan, budget, opaque=True).load()
-    except BadPickle:
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
-            RecursionError, MemoryError, OverflowError, UnicodeDecodeError, ImportError) as exc:
-        raise BadPickle(f"not a readable pickle: {type(exc).__name__}: {exc}"[:300]) from None
     _walk(scan, budget)
     return scan
 
@@ -591,15 +562,12 @@ def _cached_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
 
 def _read_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
     try:
-        obj = _Reader(data_pkl, PickleScan(root=None), _budget(MAX_OBJECTS, ITEM_LIMITS), opaque=False).load()
-        if isinstance(obj, TensorHeader | SubclassHeader):
-            return obj
-    except pickle.UnpicklingError:
-        raise
+        with refusing():
+            obj = _Reader(data_pkl, PickleScan(root=None), _budget(MAX_OBJECTS, ITEM_LIMITS), opaque=False).load()
     except BadPickle as exc:  # a record's callers expect what the C unpickler raises, as torch.load does
         raise pickle.UnpicklingError(str(exc)) from None
-    except Exception as exc:  # hostile bytes: any failure is "not a tensor record", never a traceback
-        raise pickle.UnpicklingError(f"{type(exc).__name__}: {exc}"[:300]) from None
+    if isinstance(obj, TensorHeader | SubclassHeader):
+        return obj
     raise pickle.UnpicklingError(f"data.pkl holds {type(obj).__name__}, not a tensor")
 
 

@@ -3,21 +3,26 @@
 A pickle is a program: each global it names is imported and called. A configuration is an allowlist
 ``(module, name) -> stand-in`` (nothing outside it is imported; nothing in it is the real object), what each
 stand-in does when called or ``BUILD``-ed (shared ones derive from :class:`FrozenGlobal`), a :class:`Budget`
-with :class:`Limits`, and the refusal exception. :class:`ReferenceUnpickler` (pure Python) applies every bound
+with :class:`Limits` and its message. :class:`ReferenceUnpickler` (pure Python) applies every bound
 per opcode and follows the C unpickler where it is more lenient. :class:`FastUnpickler` (C, no per-opcode hooks)
-is used only on pickles a byte pass admitted (``pickle_subset.in_fast_subset``).
+is used only on pickles a byte pass admitted (``pickle_subset.in_fast_subset``). Every refusal is a
+:class:`~ckptverify.errors.BadPickle` (a global outside the allowlist: :class:`~ckptverify.errors.UnsafeGlobal`).
 """
 
 from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-__all__ = ["Allowlisted", "Budget", "FastUnpickler", "FrozenGlobal", "Limits", "ReferenceUnpickler",
-           "callable_global"]
+from ckptverify.errors import BadPickle, UnsafeGlobal
+from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
+
+__all__ = ["DTYPE_GLOBALS", "Allowlisted", "Budget", "DTypeGlobal", "FastUnpickler", "FrozenGlobal", "Limits",
+           "ReferenceUnpickler", "callable_global", "refuse_build", "refusing"]
 
 
 @dataclass(frozen=True)
@@ -41,90 +46,120 @@ class Limits:
 
 class Budget:
     """The work one parse may still do (``left``) and what it learned about tuples it hashed. Hot paths charge inline
-    (``left -= n``, then :meth:`charge` ``(0)`` if negative, which raises ``exceeded``)."""
+    (``left -= n``, then :meth:`charge` ``(0)`` if negative, which raises :class:`BadPickle` ``(exceeded)``)."""
 
-    __slots__ = ("_exceeded", "left", "limits", "tuples")
+    __slots__ = ("exceeded", "left", "limits", "tuples")
 
-    def __init__(self, limit: int, exceeded: Callable[[], Exception], limits: Limits = Limits()) -> None:
+    def __init__(self, limit: int, exceeded: str, limits: Limits = Limits()) -> None:
         self.left = limit
         self.limits = limits
-        self._exceeded = exceeded
+        self.exceeded = exceeded
         #: id -> (values it expands to, nesting height, the tuple itself: kept so the id is not reused).
         self.tuples: dict[int, tuple[int, int, tuple[Any, ...]]] = {}
 
     def charge(self, n: int = 1) -> None:
         self.left -= n
         if self.left < 0:
-            raise self._exceeded()
+            raise BadPickle(self.exceeded)
 
-    def check_hashable(self, value: Any, refused: Callable[[str], Exception], flat: type | None = None,
-                       what: str = "the pickle") -> None:
-        """Refuse, before hashing, a tuple whose hash would recurse past :attr:`Limits.max_depth` or visit more than
-        :attr:`Limits.max_key_nodes` values (``hash`` recurses in C without limit). ``flat``: a scalar-only tuple type
-        (counted, not walked). Each tuple is examined once per parse."""
-        if isinstance(value, tuple) and type(value) is not flat:
-            if self.limits.max_key_nodes == 0:
-                raise refused(f"{what} uses a tuple as a dict key or set member")
-            _tuple_nodes(value, self.tuples, 0, self.limits, refused, flat)
+    def check_hashable(self, value: tuple[Any, ...], flat: type | None = None, what: str = "the pickle") -> None:
+        """Refuse, before hashing, a tuple (not a ``flat`` one: a scalar-only tuple type, counted, not walked) whose
+        hash would recurse past :attr:`Limits.max_depth` or visit more than :attr:`Limits.max_key_nodes` values
+        (``hash`` recurses in C without limit). Each tuple is examined once per parse."""
+        if self.limits.max_key_nodes == 0:
+            raise BadPickle(f"{what} uses a tuple as a dict key or set member")
+        _tuple_nodes(value, self.tuples, 0, self.limits, flat)
 
 
 def _tuple_nodes(t: tuple[Any, ...], memo: dict[int, tuple[int, int, tuple[Any, ...]]], depth: int, limits: Limits,
-                 refused: Callable[[str], Exception], flat: type | None) -> int:
+                 flat: type | None) -> int:
     known = memo.get(id(t))
     max_depth = limits.max_depth
     if known is not None:
         if depth + known[1] > max_depth:
-            raise refused(f"a hashed tuple nests deeper than {max_depth} levels")
+            raise BadPickle(f"a hashed tuple nests deeper than {max_depth} levels")
         return known[0]
     if depth >= max_depth:
-        raise refused(f"a hashed tuple nests deeper than {max_depth} levels")
+        raise BadPickle(f"a hashed tuple nests deeper than {max_depth} levels")
     nodes, height = 1, 1
     for x in t:
         if isinstance(x, tuple):
             if type(x) is flat:
                 nodes += 1 + len(x)
             else:
-                nodes += _tuple_nodes(x, memo, depth + 1, limits, refused, flat)
+                nodes += _tuple_nodes(x, memo, depth + 1, limits, flat)
                 height = max(height, memo[id(x)][1] + 1)
         else:
             nodes += 1
         if nodes > limits.max_key_nodes:
-            raise refused(f"a hashed tuple (a dict key or set member) holds more than {limits.max_key_nodes} values")
+            raise BadPickle(f"a hashed tuple (a dict key or set member) holds more than {limits.max_key_nodes} values")
     memo[id(t)] = (nodes, height, t)
     return nodes
 
 
+@contextmanager
+def refusing() -> Iterator[None]:
+    """Any failure of a read of untrusted bytes, within, as a :class:`BadPickle`: a finding, never a traceback."""
+    try:
+        yield
+    except (BadPickle, UnsafeGlobal):
+        raise
+    except MemoryError:
+        raise BadPickle("the pickle asks for more memory than is available") from None
+    except RecursionError:
+        raise BadPickle("the pickle nests too deeply") from None
+    except Exception as exc:
+        raise BadPickle(f"not a readable pickle: {type(exc).__name__}: {exc}"[:300]) from None
+
+
+def refuse_build(self: Any, state: Any) -> None:
+    """``__setstate__`` of a checked record (a frozen slots dataclass would take a ``BUILD``, rewriting the record
+    after its check): refused."""
+    raise BadPickle(f"the pickle modifies a {type(self).__name__}")
+
+
 class FrozenGlobal:
-    """A stand-in for a global that no pickle can change (``BUILD`` and attribute writes raise :attr:`Refused`), so
-    shared stand-ins stay as made. Not callable; see :func:`callable_global`."""
+    """A stand-in for a global (function, dtype, storage type, enum) that no pickle can change (``BUILD`` and
+    attribute writes are refused), so shared stand-ins stay as made. Not callable; see :func:`callable_global`."""
 
     __slots__ = ("_label",)
-    Refused: ClassVar[type[Exception]] = pickle.UnpicklingError
-    #: The refusal's message; ``{label}`` is the global's name.
-    modified: ClassVar[str] = "the pickle modifies the global {label}"
 
     def __init__(self, label: str) -> None:
         object.__setattr__(self, "_label", label)
 
     def __setattr__(self, key: str, value: Any) -> None:
-        raise self.Refused(self.modified.format(label=self._label))
+        raise BadPickle(f"the pickle modifies the global {self._label}")
 
     def __setstate__(self, state: Any) -> None:
-        raise self.Refused(self.modified.format(label=self._label))
+        raise BadPickle(f"the pickle modifies the global {self._label}")
 
     def __call__(self, *args: Any) -> Any:
-        raise self.Refused(f"{self._label} is not callable")
+        raise BadPickle(f"{self._label} is not callable")
 
 
-def callable_global(base: type[FrozenGlobal], label: str, call: Callable[..., Any]) -> FrozenGlobal:
-    """An instance of (a subclass of) ``base`` whose call is ``call``."""
-    cls = type(f"_Callable{base.__name__}", (base,), {"__slots__": (), "__call__": staticmethod(call)})
+def callable_global(label: str, call: Callable[..., Any]) -> FrozenGlobal:
+    """A :class:`FrozenGlobal` whose call is ``call`` (one Python call per ``REDUCE``)."""
+    cls = type("_CallableGlobal", (FrozenGlobal,), {"__slots__": (), "__call__": staticmethod(call)})
     return cls(label)
+
+
+class DTypeGlobal(FrozenGlobal):
+    """A torch dtype global; not callable, like ``torch.float32``."""
+
+    __slots__ = ()
+
+    @property
+    def name(self) -> str:
+        return self._label[len("torch."):]
+
+
+#: Every dtype global a pickle may name -> its stand-in (one per process: none can be changed).
+DTYPE_GLOBALS: dict[tuple[str, str], DTypeGlobal] = {("torch", n): DTypeGlobal(f"torch.{n}") for n in DTYPE_ITEMSIZE}
 
 
 class Allowlisted:
     """What both unpicklers resolve alike: globals through the allowlist (``self._allowed``), persistent ids
-    through :meth:`persistent` (refused unless a configuration reads them)."""
+    refused (unless a configuration reads them)."""
 
     _allowed: dict[tuple[str, str], Any]
 
@@ -136,13 +171,10 @@ class Allowlisted:
 
     def unknown_global(self, module: str, name: str) -> Any:
         """A global outside the allowlist: refused (a configuration may resolve it to an inert placeholder)."""
-        raise pickle.UnpicklingError(f"{module}.{name}"[:300])
+        raise UnsafeGlobal(f"{module}.{name}"[:300])
 
     def persistent_load(self, pid: Any) -> Any:
-        return self.persistent(pid)
-
-    def persistent(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("the pickle uses a persistent id")
+        raise BadPickle("the pickle uses a persistent id")
 
 
 class FastUnpickler(Allowlisted, pickle.Unpickler):
@@ -161,14 +193,9 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
     pickle alike. Configurations subclass it and set the class attributes; each gets its own dispatch table.
     """
 
-    #: The exception every refusal raises.
-    Refused: ClassVar[type[Exception]] = pickle.UnpicklingError
     #: Opcodes the configuration never expects: refused with :attr:`refused_opcodes_reason`.
     refused_opcodes: ClassVar[tuple[bytes, ...]] = ()
     refused_opcodes_reason: ClassVar[str] = "an opcode this reader does not expect"
-    #: ``BUILD`` onto a value without ``__setstate__``: allow the C unpickler's no-ops (a state of ``None``, an
-    #: empty slot state), or refuse every one.
-    noop_build: ClassVar[bool] = True
     #: A tuple subclass known to hold scalars only (counted, not walked, when hashed).
     flat_tuple: ClassVar[type | None] = None
     #: What messages call the pickle.
@@ -188,7 +215,7 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
 
     def _hashable(self, value: Any) -> None:
         if isinstance(value, tuple) and type(value) is not self.flat_tuple:  # the rest hash in constant time
-            self._budget.check_hashable(value, self.Refused, self.flat_tuple, self.what)
+            self._budget.check_hashable(value, self.flat_tuple, self.what)
 
     def load_build(self) -> None:
         state = self.stack.pop()
@@ -197,27 +224,25 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
         if setstate is not None:
             setstate(state)
             return
-        if not self.noop_build:
-            raise self.Refused(f"{self.what} sets the state of a value that has none")
         # As the C unpickler: without __setstate__, a None state and an empty slot state are no-ops.
         slots = None
         if isinstance(state, tuple) and len(state) == 2:
             state, slots = state
         if state is not None:
-            raise self.Refused("BUILD on a value that is not an allowlisted dataclass")
+            raise BadPickle("BUILD on a value that is not an allowlisted dataclass")
         if slots is not None:
             if not isinstance(slots, dict):
-                raise self.Refused("slot state is not a dictionary")
+                raise BadPickle("slot state is not a dictionary")
             if slots:
-                raise self.Refused("BUILD sets attributes of a value that is not an allowlisted dataclass")
+                raise BadPickle("BUILD sets attributes of a value that is not an allowlisted dataclass")
 
     def load_newobj(self) -> None:
         args = self.stack.pop()
         cls = self.stack.pop()
         if not isinstance(cls, type):
-            raise self.Refused("NEWOBJ of a value that is not a class")
+            raise BadPickle("NEWOBJ of a value that is not a class")
         if not isinstance(args, tuple):
-            raise self.Refused("NEWOBJ arguments are not a tuple")
+            raise BadPickle("NEWOBJ arguments are not a tuple")
         self.append(cls.__new__(cls, *args))
 
     def load_newobj_ex(self) -> None:
@@ -225,15 +250,15 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
         args = self.stack.pop()
         cls = self.stack.pop()
         if not isinstance(cls, type):
-            raise self.Refused("NEWOBJ_EX of a value that is not a class")
+            raise BadPickle("NEWOBJ_EX of a value that is not a class")
         if not isinstance(args, tuple) or not isinstance(kwargs, dict):
-            raise self.Refused("NEWOBJ_EX arguments are not a tuple and a dict")
+            raise BadPickle("NEWOBJ_EX arguments are not a tuple and a dict")
         self.append(cls.__new__(cls, *args, **kwargs))
 
     def load_reduce(self) -> None:
         args = self.stack.pop()
         if not isinstance(args, tuple):
-            raise self.Refused("REDUCE arguments are not a tuple")
+            raise BadPickle("REDUCE arguments are not a tuple")
         self.stack[-1] = self.stack[-1](*args)
 
     def load_appends(self) -> None:
@@ -288,13 +313,13 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
         # The Python unpickler accepts a frame that claims more bytes than remain; the C one does not.
         size = int.from_bytes(self.read(8), "little")
         if size > self._size - self._stream.tell():
-            raise self.Refused("pickle data was truncated (a frame runs past the end)")
+            raise BadPickle("pickle data was truncated (a frame runs past the end)")
         self._unframer.load_frame(size)
 
     def _memo_put(self, index: int) -> None:
         # A pickler numbers memo entries in order; the C unpickler allocates (and zero-fills) index * 2 slots.
         if index < 0 or index > len(self.memo) + self._budget.limits.memo_slack:
-            raise self.Refused(f"memo index {index} is beyond the {len(self.memo)} objects memoized so far")
+            raise BadPickle(f"memo index {index} is beyond the {len(self.memo)} objects memoized so far")
         self.memo[index] = self.stack[-1]
 
     def load_put(self) -> None:
@@ -307,12 +332,12 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
         self._memo_put(int.from_bytes(self.read(4), "little"))
 
     def _refuse_opcode(self) -> None:
-        raise self.Refused(self.refused_opcodes_reason)
+        raise BadPickle(self.refused_opcodes_reason)
 
     def _keyed(self, items: list[Any], what: str) -> zip[tuple[Any, Any]]:
         """``items`` as (key, value) pairs, each key refused before it is hashed if its hash would be unbounded."""
         if len(items) % 2:
-            raise self.Refused(f"odd number of items for {what}")
+            raise BadPickle(f"odd number of items for {what}")
         return zip(self._hashables(items[::2]), items[1::2], strict=True)
 
     def _hashables(self, items: list[Any]) -> list[Any]:

@@ -199,7 +199,7 @@ def test_billion_laughs_is_refused_by_the_budget(tmp_path):
 
 def test_budget_counts_each_node_once_per_reference():
     data = _laughs(4)  # 10^4 leaves: within budget, and the count shows what was charged
-    budget = sp._Budget(10**9)
+    budget = sp._budget(10**9)  # the budget of a pickle of 10**9 bytes: ample
     raw = sp._SafeUnpickler(data, sp._allowlist(budget), budget).load()
     before = budget.left
     sp._Plain(budget).convert(raw, 0)

@@ -27,6 +27,7 @@ from ckptverify.dcp import metadata as md
 from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.errors import BadPickle, UnsafeGlobal
 from ckptverify.safeparse.pickle_subset import MAX_LITERAL, in_fast_subset
+from ckptverify.safeparse.unpickler import FastUnpickler
 
 EXPECTED = (UnsafeGlobal, BadPickle)
 MD = b"torch.distributed.checkpoint.metadata"
@@ -203,7 +204,7 @@ def test_no_tuple_the_c_unpickler_builds_nests_deep_or_grows(data):
     # The pass's promise, checked on what the C unpickler actually built: every memo entry and the result.
     if not in_fast_subset(data):
         return
-    unpickler = sp._FastUnpickler(data, sp._allowlist(sp._Budget(10**9)))
+    unpickler = FastUnpickler(data, sp._allowlist(sp._budget(10**9)))
     try:
         result = unpickler.load()
     except Exception:  # refused: nothing was built to bound
