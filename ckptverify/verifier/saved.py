@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from ckptverify.errors import reported_as_itself
 from ckptverify.findings import Report
+from ckptverify.verifier.stamper import CHANGED
 from ckptverify.verifier.verification import Verification, event_of, from_report, unverified
 
 __all__ = ["Fingerprint", "cannot_verify", "check_saved", "remove_beside", "saved_job", "stopped_by", "verification_of",
@@ -181,7 +182,7 @@ def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: 
     if (changed or not report.passed) and deleted_now():
         return was_deleted(root, step, time.perf_counter() - started), {}
     if changed:  # not a verdict on anything: the files verified are not the files there now
-        return unverified(root, step, "changed", "its files changed while it was being verified", deep=deep,
+        return unverified(root, step, "changed", CHANGED, deep=deep,
                           seconds=time.perf_counter() - started), {"fingerprint": fp_note} if fp_note else {}
     try:
         write_stamp(root, report, step=step, fingerprint=before)

@@ -21,9 +21,11 @@ from ckptverify.verifier.verification import Verification, from_report, unverifi
 if TYPE_CHECKING:
     from ckptverify.findings import Report
 
-__all__ = ["GONE", "VerifyingLock", "stamp", "stamp_locked", "unmoved", "unreadable", "verify_and_stamp"]
+__all__ = ["CHANGED", "GONE", "VerifyingLock", "stamp", "stamp_locked", "unmoved", "unreadable", "verify_and_stamp"]
 
 GONE = "removed while it was being verified"
+#: Why a verification whose files moved under it gives no verdict.
+CHANGED = "its files changed while it was being verified"
 
 
 class VerifyingLock:
@@ -151,7 +153,7 @@ def unmoved(path: str, step: int | None, passed: bool, before: str, settle: floa
         return unverified(path, step, "deleted", GONE, deep=deep)
     if changed or files_fingerprint(path) != before:
         # Not a verdict on anything: the files verified are not the files there now.
-        return unverified(path, step, "changed", "its files changed while it was being verified", deep=deep)
+        return unverified(path, step, "changed", CHANGED, deep=deep)
     return None
 
 
