@@ -306,7 +306,7 @@ def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None
     from ckptverify.findings import info
     from ckptverify.trace.compare import comparison_findings, job_divergence, rank_comparisons
 
-    comps = rank_comparisons(a, b, steps=steps)  # type: ignore[arg-type]
+    comps = rank_comparisons(a, b, steps=steps, every_step=True)  # type: ignore[arg-type]
     found = comparison_findings(comps)
     if not any(f.severity.value == "error" for f in found):
         return _tag(stage, found), None, comps

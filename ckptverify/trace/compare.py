@@ -83,8 +83,9 @@ class FirstDivergence:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankComparison:
-    """The comparison of one rank's two traces: ``differing`` the sites that differ at any compared step,
-    ``first_differing`` those at the first divergent step (execution order each), ``traces`` the two traces."""
+    """The comparison of one rank's two traces: ``differing`` the sites that differ at any step read (every compared
+    step with :func:`rank_comparisons`' ``every_step``), ``first_differing`` those at the first divergent step
+    (execution order each), ``traces`` the two traces."""
 
     rank: int
     path_a: str
@@ -200,8 +201,9 @@ def _check_headers(ta: Trace, tb: Trace, diffs: list[str], force: bool) -> None:
 
 
 def _compare_pair(ta: Trace, tb: Trace, diffs: list[str], *, steps: Iterable[int] | None, force: bool,
-                  ignore_sites: tuple[str, ...]) -> RankComparison:
-    """Compare one rank's traces whose header differences ``diffs`` :func:`_check_headers` accepted."""
+                  ignore_sites: tuple[str, ...], every_step: bool) -> RankComparison:
+    """Compare one rank's traces whose header differences ``diffs`` :func:`_check_headers` accepted; past the first
+    divergent block only with ``every_step``."""
     rank = ta.header.rank if ta.header.rank is not None else 0
     sa, sb = ta.step_array, tb.step_array
     fa, fb = sa[_step_mask(sa, steps)], sb[_step_mask(sb, steps)]
@@ -245,6 +247,8 @@ def _compare_pair(ta: Trace, tb: Trace, diffs: list[str], *, steps: Iterable[int
             if first is None and bad_rows.size:
                 i = int(bad_rows[0])
                 first, at_first = _describe(aligned, rank, int(common[i0 + i]), differs[i]), differs[i]
+            if first is not None and not every_step:
+                break
     return RankComparison(rank=rank, path_a=str(ta.path), path_b=str(tb.path), run_a=ta.header.run,
                           run_b=tb.header.run, level=ta.header.level, first=first,
                           compared_steps=int(common.shape[0]), compared_sites=len(names), only_a=only_a,
@@ -518,12 +522,15 @@ def comparison_findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
 
 
 def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
-                     ignore: Iterable[str] = (), ignore_sites: Iterable[str] = ()) -> list[RankComparison]:
+                     ignore: Iterable[str] = (), ignore_sites: Iterable[str] = (),
+                     every_step: bool = False) -> list[RankComparison]:
     """Compare two traces, or two run directories rank by rank.
 
     Every rank's headers are checked first: they must agree but for ``run`` and ``ignore``, else
     :class:`TraceHeaderMismatchError` unless ``force``; differing ``digest_encoding`` is a :class:`UsageError` even
-    with ``force``. ``ignore_sites``: case-sensitive ``fnmatch`` globs of site names left out on both sides."""
+    with ``force``. ``ignore_sites``: case-sensitive ``fnmatch`` globs of site names left out on both sides.
+    ``every_step``: read every compared step for ``differing``; without it reading stops at the first divergent
+    block, and ``differing`` covers the steps read."""
     ignore = tuple(ignore)
     if isinstance(a, Trace) or isinstance(b, Trace) or is_store(a) or is_store(b):
         pairs = [(_as_trace(a), _as_trace(b))]
@@ -543,7 +550,8 @@ def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
     for ta, tb, diffs in checked:
         _check_headers(ta, tb, diffs, force)
     sites = tuple(ignore_sites)
-    comps = [_compare_pair(ta, tb, diffs, steps=steps, force=force, ignore_sites=sites) for ta, tb, diffs in checked]
+    comps = [_compare_pair(ta, tb, diffs, steps=steps, force=force, ignore_sites=sites, every_step=every_step)
+             for ta, tb, diffs in checked]
     return sorted([*comps, *missing], key=lambda c: c.rank)
 
 

@@ -160,6 +160,23 @@ def test_presence_difference_is_a_divergence(tmp_path: Path) -> None:
         open_trace(tmp_path / "missing")
 
 
+def test_a_comparison_reads_past_the_first_divergent_block_only_when_every_step_is_asked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptverify.trace import compare
+
+    header = TraceHeader(run="a", level="metrics", rank=0, world_size=1)
+    for name, loss_at, norm_at in (("a", None, None), ("b", 2, 5)):
+        with TraceWriter(tmp_path / name, header=header) as w:
+            for step in range(1, 7):
+                w.append(step, [Cell.from_float("metric.loss", "metric", 1.0 + (step == loss_at)),
+                                Cell.from_float("metric.grad_norm", "metric", 1.0 + (step == norm_at))])
+    monkeypatch.setattr(compare, "_BLOCK", 1)  # one step a block
+    (first,) = rank_comparisons(tmp_path / "a", tmp_path / "b")
+    assert first.first is not None and first.first.step == 2 and first.differing == ("metric.loss",)
+    (every,) = rank_comparisons(tmp_path / "a", tmp_path / "b", every_step=True)
+    assert every.first == first.first and every.differing == ("metric.loss", "metric.grad_norm")
+
+
 def test_merged_order() -> None:
     assert merged_order(["a", "b", "c"], ["x", "a", "c", "y"]) == ["x", "a", "b", "c", "y"]
 
