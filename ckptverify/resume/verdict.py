@@ -108,11 +108,9 @@ def receivers_said(div: FirstDivergence) -> str:
     if not receivers or not origins:
         return ""
     many = len(receivers) > 1
-    src = ", ".join(map(str, origins))
     return (f" Rank{'s' if many else ''} {', '.join(map(str, receivers))} differ{'' if many else 's'} only in values "
-            f"a collective carried from rank{'s' if len(origins) > 1 else ''} {src} (gradients, parameters, "
-            f"optimizer state, metrics computed after the reduction): {'receivers' if many else 'a receiver'}, not "
-            "where it is born.")
+            f"a collective carried from {causes.ranks_text(origins)} (gradients, parameters, optimizer state, "
+            f"metrics computed after the reduction): {'receivers' if many else 'a receiver'}, not where it is born.")
 
 
 def _undetermined(div: FirstDivergence) -> str:
