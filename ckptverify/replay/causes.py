@@ -154,11 +154,13 @@ class _Case:
 
 
 def judge(prod: str, replay: str, *, start: int, end: int, world: int, production_start: int,
-          where: Callable[[int], str] = lambda rank: "host unknown") -> Verdict:
+          where: Callable[[int], str] = lambda rank: "host unknown",
+          comparisons: list[RankComparison] | None = None) -> Verdict:
     """Classify the first difference between production's segment ``prod`` and ``replay`` over ``start+1..end``: the
     first of :data:`RULES` that applies. ``production_start``: where production's segment (and process) started;
-    ``where(rank)``: a rank's host and device in words."""
-    comps = rank_comparisons(prod, replay, steps=range(start + 1, end + 1))
+    ``where(rank)``: a rank's host and device in words; ``comparisons``: the two compared over those steps already
+    (:func:`~ckptverify.trace.compare.rank_comparisons`)."""
+    comps = comparisons if comparisons is not None else rank_comparisons(prod, replay, steps=range(start + 1, end + 1))
     found = [c.first for c in comps if c.first is not None]
     if not found:
         return Verdict("undetermined", "production's trace and the replay's do not cover the same steps and ranks, "

@@ -247,7 +247,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     from ckptverify.resume.locate.walk import for_replay
     from ckptverify.resume.run import RunConfig, checkpoint_path, rank_files
     from ckptverify.resume.verdict import Verdict
-    from ckptverify.trace.compare import compare_runs, comparison_findings, rank_comparisons
+    from ckptverify.trace.compare import comparison_findings, rank_comparisons
 
     if locate_repeats < 1:
         raise UsageError(f"--locate-repeats must be at least 1, got {locate_repeats}")
@@ -324,12 +324,13 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
                 findings.extend(twin[:20])
                 return done(_twins_differ(twins))
             say("compare production with the replay")
-            prod = [f for f in compare_runs(segment, r1, steps=steps) if f.severity.value == "error"]
+            compared = rank_comparisons(segment, r1, steps=steps)  # judged from these too: compared once
+            prod = [f for f in comparison_findings(compared) if f.severity.value == "error"]
             coverage.append(CheckCoverage(check="replay-production", count=len(steps), unit="steps"))
             if prod:
                 findings.extend(prod[:20])
                 judged = judge(segment, r1, start=ckpts.start, end=ckpts.end, world=world, production_start=seg_start,
-                               where=lambda r: _where(hosts.get(r)))
+                               where=lambda r: _where(hosts.get(r)), comparisons=compared)
                 rank = judged.rank
                 return done(judged, host=hosts.get(rank, {}).get("hostname") if rank is not None else None)
             say("compare the final state with the production checkpoint")
