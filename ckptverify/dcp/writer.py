@@ -37,7 +37,6 @@ from ckptverify.dcp.commit import SaveLock, begin_save, invalidate_previous
 from ckptverify.dcp.metadata import METADATA_FILE
 from ckptverify.errors import ArchiveError, UsageError
 from ckptverify.fingerprint import (
-    ALGORITHMS,
     FINGERPRINT_VERSION,
     BlockDigest,
     TensorFingerprint,
@@ -48,6 +47,7 @@ from ckptverify.fingerprint import (
     part_fingerprints,
 )
 from ckptverify.fingerprint.device import FingerprintStreams
+from ckptverify.fingerprint.digest import digest_maker
 from ckptverify.fingerprint.logical import BlockwiseFingerprint, blockwise_fingerprint, chunk_fingerprint_counted
 from ckptverify.fingerprint.nonfinite import nonfinite_counts as _nonfinite_counts
 from ckptverify.fingerprint.subclass import is_wrapper_subclass
@@ -510,8 +510,7 @@ class HashingFileSystemWriter(FileSystemWriter):
         fingerprint: bool = True,
         **kwargs: Any,
     ) -> None:
-        if digest not in ALGORITHMS:
-            raise UsageError(f"unknown digest algorithm {digest!r}; choose one of {', '.join(ALGORITHMS)}")
+        digest_maker(digest)  # refuses an unknown one before anything is written
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
             raise UsageError(f"block size must be a positive number of bytes, got {block_bytes!r}")
         if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:

@@ -13,7 +13,7 @@ import xxhash
 from ckptverify.errors import CkptVerifyError, UsageError
 
 __all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_BLOCK_SIZE", "BlockDigest", "ByteDigest", "RangeDigest",
-           "block_digests", "digest_bytes", "digest_file_range",
+           "block_digests", "digest_bytes", "digest_file_range", "digest_maker",
            "digest_reader", "new_digest"]
 
 DEFAULT_ALGORITHM = "xxh3-128"
@@ -34,21 +34,23 @@ class ByteDigest(Protocol):
 _MAKERS: dict[str, Any] = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 
 
-def new_digest(algorithm: str = DEFAULT_ALGORITHM) -> ByteDigest:
-    """A fresh streaming digest: ``"xxh3-128"`` (xxhash ``xxh3_128``) or ``"sha256"`` (hashlib)."""
+def digest_maker(algorithm: str) -> Any:
+    """The constructor of ``algorithm``'s digests; :class:`UsageError` for an unknown one."""
     make = _MAKERS.get(algorithm)
     if make is None:
         raise UsageError(f"unknown digest algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-    return make()
+    return make
+
+
+def new_digest(algorithm: str = DEFAULT_ALGORITHM) -> ByteDigest:
+    """A fresh streaming digest: ``"xxh3-128"`` (xxhash ``xxh3_128``) or ``"sha256"`` (hashlib)."""
+    return digest_maker(algorithm)()
 
 
 def digest_bytes(data: Any, algorithm: str = DEFAULT_ALGORITHM) -> str:
     """Hex digest of a bytes-like object, fed at construction (which releases the GIL; xxhash's one-shot functions
     do not)."""
-    make = _MAKERS.get(algorithm)
-    if make is None:
-        new_digest(algorithm)  # raises the usual error
-    return make(data).hexdigest()
+    return digest_maker(algorithm)(data).hexdigest()
 
 
 class BlockDigest:
