@@ -128,6 +128,28 @@ def reported_as_itself(exc: BaseException) -> bool:
     return isinstance(exc, CkptVerifyError) and not isinstance(exc, FindingError)
 
 
+def dcp_failures(exc: BaseException) -> dict[int, BaseException]:
+    """The per-rank exceptions DCP wrapped in a ``CheckpointException`` (``{rank: (exc, trace)}``)."""
+    raw = getattr(exc, "failures", None)
+    if not isinstance(raw, dict):
+        return {}
+    out: dict[int, BaseException] = {}
+    for rank, pair in raw.items():
+        inner = pair[0] if isinstance(pair, tuple) and pair else pair
+        if isinstance(inner, BaseException):
+            out[rank] = inner
+    return out
+
+
+def first_failure(exc: BaseException) -> str:
+    """The lowest rank's failure DCP reported (its ``CheckpointException`` text is a traceback per rank)."""
+    failures = dcp_failures(exc)
+    if failures:
+        rank = min(failures)
+        return f"rank {rank} failed: {type(failures[rank]).__name__}: {failures[rank]}"
+    return f"{type(exc).__name__}: {exc}"
+
+
 # ------------------------------------------------------------------ readers (safeparse, dcp, ownfiles)
 
 

@@ -28,6 +28,8 @@ from ckptverify.errors import (
     CkptVerifyWarning,
     ProofFailedError,
     UsageError,
+    dcp_failures,
+    first_failure,
     reported_as_itself,
 )
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
@@ -306,8 +308,6 @@ def _refused_text(refused: list[dict[str, Any]]) -> str:
 
 def _proof_failure(exc: BaseException) -> tuple[int, Any] | None:
     """``(rank, ProofFailedError)`` when DCP failed because an item failed its proof (the lowest such rank)."""
-    from ckptverify.checkpoint.save import dcp_failures
-
     if isinstance(exc, ProofFailedError):
         return 0, exc
     return next(((rank, inner) for rank, inner in sorted(dcp_failures(exc).items())
@@ -400,8 +400,6 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
                         f"refusing to load {root}: rank {proof[0]}: {proof[1]}; nothing was changed"
                         + ("; it is stamped failed" if stamp_on_failure else ""), report, proof[1].info) from None
                 # DCP's CheckpointException is a BaseException, which `except Exception` would miss.
-                from ckptverify.checkpoint.save import first_failure
-
                 raise CkptVerifyError(f"DCP could not load {root} into this state; nothing was changed: "
                                       f"{first_failure(exc)}") from exc
         state.load_state_dict(template)

@@ -21,6 +21,8 @@ from ckptverify.errors import (
     SaveFailedError,
     UsageError,
     VerifyFailedError,
+    dcp_failures,
+    first_failure,
     reported_as_itself,
 )
 from ckptverify.options import VerifyOptions, verify_options
@@ -91,19 +93,6 @@ def _make_writer(
     )
 
 
-def dcp_failures(exc: BaseException) -> dict[int, BaseException]:
-    """The per-rank exceptions DCP wrapped in a ``CheckpointException`` (``{rank: (exc, trace)}``)."""
-    raw = getattr(exc, "failures", None)
-    if not isinstance(raw, dict):
-        return {}
-    out: dict[int, BaseException] = {}
-    for rank, pair in raw.items():
-        inner = pair[0] if isinstance(pair, tuple) and pair else pair
-        if isinstance(inner, BaseException):
-            out[rank] = inner
-    return out
-
-
 def save_error(exc: BaseException, path: str | os.PathLike[str]) -> BaseException:
     """A failed DCP save as raised: a conflict or usage error as itself (the same type on every rank), anything else as
     :class:`SaveFailedError` naming the first failure."""
@@ -117,15 +106,6 @@ def save_error(exc: BaseException, path: str | os.PathLike[str]) -> BaseExceptio
     if reported_as_itself(exc):
         return exc
     return SaveFailedError(f"the save into {os.fspath(path)} did not commit; {first_failure(exc)}", failures)
-
-
-def first_failure(exc: BaseException) -> str:
-    """The lowest rank's failure DCP reported (its ``CheckpointException`` text is a traceback per rank)."""
-    failures = dcp_failures(exc)
-    if failures:
-        rank = min(failures)
-        return f"rank {rank} failed: {type(failures[rank]).__name__}: {failures[rank]}"
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _run(fn: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str], *, upload: bool = False) -> Any:
