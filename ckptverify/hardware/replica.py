@@ -89,9 +89,9 @@ class ReplicaCheck:
             return
         import socket
 
-        hosts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, socket.gethostname())
-        self._hosts = [str(h) for h in hosts]
+        from ckptverify.state.distributed import torch_group
+
+        self._hosts = [str(h) for h in torch_group().gathered(socket.gethostname())]
         module = getattr(model, "module", model)  # DDP
         skip = set(exclude)
         for name, p in module.named_parameters():
