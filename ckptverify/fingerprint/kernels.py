@@ -295,21 +295,16 @@ def fingerprint_lanes_counted(
 def eager_fingerprint_lanes(t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int],
                             name: str) -> tuple[int, int]:
     """:func:`fingerprint_lanes` via the eager path on any device (the reference the tests and GPU checks use)."""
-    with device_scope(t.device):
-        check_fingerprintable(t)
-        t, offsets, global_shape = as_real(t.detach(), offsets, global_shape)
-        if t.numel() == 0:
-            return 0, 0
-        geometry = chunk_geometry(t.shape, offsets, global_shape)
-        return eager_lanes(flat_bits(t), geometry, (dtype_seed(name, 0), dtype_seed(name, 1)))
+    return _lanes(t, offsets, global_shape, name, None, eager=True)[0]
 
 
 def _lanes(
     t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int], name: str,
-    screen: tuple[int, int] | None,
+    screen: tuple[int, int] | None, eager: bool = False,
 ) -> tuple[tuple[int, int], int | None]:
     """A chunk's lane sums and its ``screen`` count (``None`` if not counted or no ``screen``), on ``t``'s device and
-    current stream (:func:`~ckptverify.fingerprint.device.device_scope`); refuses unreadable tensors."""
+    current stream (:func:`~ckptverify.fingerprint.device.device_scope`); refuses unreadable tensors. ``eager``: by
+    the eager path, whatever the device."""
     global _host_bytes
     with device_scope(t.device):
         check_fingerprintable(t)
@@ -317,10 +312,12 @@ def _lanes(
         geometry = chunk_geometry(t.shape, offsets, global_shape)
         if t.numel() == 0:
             return (0, 0), 0
+        seeds = (dtype_seed(name, 0), dtype_seed(name, 1))
+        if eager:
+            return eager_lanes(flat_bits(t), geometry, seeds), None
         if t.device.type == "cpu" and t.numel() > SLAB and not t.is_contiguous():
             return _slab_lanes(t, offsets, global_shape, name, screen)
         flat = flat_bits(t)
-        seeds = (dtype_seed(name, 0), dtype_seed(name, 1))
         device = flat.device
         if device.type != "cpu":
             if device.type == "cuda":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.errors import UsageError
@@ -43,13 +43,7 @@ class TensorFingerprint:
         return self.elements == math.prod(self.shape)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "value": self.value,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "version": self.version,
-            "elements": self.elements,
-        }
+        return {**asdict(self), "shape": list(self.shape)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TensorFingerprint:

@@ -30,8 +30,9 @@ BLOCK = 2048
 #: Element widths the kernel has been checked for against the eager path, by (device type, bits dtype).
 _verified: dict[tuple[str, torch.dtype], bool] = {}
 _lock = threading.Lock()
-#: Self-checks that raised, by table and key (after ``_CHECK_TRIES`` the key is left out).
-_check_errors: dict[int, dict[Any, int]] = {}
+#: Self-checks that raised, by key (a (device type, dtype) of ``_verified``, a device type of ``_many_verified``);
+#: after ``_CHECK_TRIES`` the key is left out.
+_check_errors: dict[Any, int] = {}
 _CHECK_TRIES = 3
 _failures = 0
 _failure_lock = threading.Lock()
@@ -118,21 +119,6 @@ def _kernel() -> Any:
     return _fingerprint_kernel if triton is not None else None
 
 
-def _run(flat: torch.Tensor, starts: torch.Tensor, run_length: int, num_runs: int,
-         seeds: tuple[int, int]) -> tuple[int, int]:
-    """The two unsigned lane sums of ``flat``: ``num_runs`` runs of ``run_length``, run ``q`` from index ``starts[q]``.
-    """
-    kernel = _kernel()
-    blocks_per_run = -(-run_length // BLOCK)
-    programs = num_runs * blocks_per_run
-    partials = torch.empty(programs * 2, dtype=torch.int64, device=flat.device)
-    kernel[(programs,)](flat, starts, partials, run_length, blocks_per_run, _signed(INDEX_MULTIPLIER),
-                        _signed(seeds[0]), _signed(seeds[1]), **_launch_args(), num_warps=8)
-    # Integer sums wrap modulo 2**64 (two's complement), which is the fingerprint's arithmetic.
-    a, b = partials.view(programs, 2).sum(dim=0).tolist()
-    return a & MASK64, b & MASK64
-
-
 def _self_check(bits_dtype: torch.dtype, device: torch.device) -> bool:
     """Run the kernel and the eager path on pseudo-random chunks of several shapes; they must agree."""
     info = torch.iinfo(bits_dtype)
@@ -150,13 +136,20 @@ def _self_check(bits_dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def lanes_of(flat: torch.Tensor, geometry: Any, seeds: tuple[int, int]) -> tuple[int, int]:
-    """The two lane sums of the chunk whose flat integer view is ``flat``, laid out as ``geometry``."""
+    """The two unsigned lane sums of the chunk whose flat integer view is ``flat``, laid out as ``geometry``."""
     num_runs, run_length = geometry.num_runs, geometry.run_length
     if num_runs == 1:
         starts = torch.tensor([geometry.first_start], dtype=torch.int64, device=flat.device)
     else:
         starts = geometry.run_starts(0, num_runs, flat.device)
-    return _run(flat, starts, run_length, num_runs, seeds)
+    blocks_per_run = -(-run_length // BLOCK)
+    programs = num_runs * blocks_per_run
+    partials = torch.empty(programs * 2, dtype=torch.int64, device=flat.device)
+    _kernel()[(programs,)](flat, starts, partials, run_length, blocks_per_run, _signed(INDEX_MULTIPLIER),
+                           _signed(seeds[0]), _signed(seeds[1]), **_launch_args(), num_warps=8)
+    # Integer sums wrap modulo 2**64 (two's complement), which is the fingerprint's arithmetic.
+    a, b = partials.view(programs, 2).sum(dim=0).tolist()
+    return a & MASK64, b & MASK64
 
 
 def lanes(flat: torch.Tensor, geometry: Any, seeds: tuple[int, int]) -> tuple[int, int] | None:
@@ -186,11 +179,9 @@ def _checked(verdicts: dict[Any, bool], key: Any, check: Any) -> bool:
     try:
         verdicts[key] = bool(check())
     except Exception as exc:  # pragma: no cover - depends on the environment (the CPU tests fake it)
-        errors = _check_errors.get(id(verdicts), {})
-        _check_errors[id(verdicts)] = errors
-        errors[key] = errors.get(key, 0) + 1
+        _check_errors[key] = _check_errors.get(key, 0) + 1
         _note_failure("self-check", exc)
-        if errors[key] >= _CHECK_TRIES:
+        if _check_errors[key] >= _CHECK_TRIES:
             verdicts[key] = False
         return False
     return verdicts[key]
@@ -318,22 +309,6 @@ _PLAN_BYTES_KEPT = 256 << 20
 _plans_lock = threading.Lock()
 
 
-def _plan_for(key: tuple[Any, ...], build: Any) -> _ManyPlan:
-    with _plans_lock:
-        plan = _plans.get(key)
-        if plan is not None:
-            _plans.move_to_end(key)
-            return plan
-    plan = build()
-    with _plans_lock:
-        _plans[key] = plan
-        total = sum(p.nbytes for p in _plans.values())
-        while len(_plans) > 1 and (len(_plans) > _PLANS_KEPT or total > _PLAN_BYTES_KEPT):
-            _, old = _plans.popitem(last=False)
-            total -= old.nbytes
-    return plan
-
-
 def _launch_many(bits: torch.Tensor, table: torch.Tensor, out: torch.Tensor, programs: int) -> None:
     """One launch of the many-tensor kernel: ``programs`` rows of ``table`` over ``bits``, sums into ``out``."""
     _many_kernel[(programs,)](bits, table, out, _signed(INDEX_MULTIPLIER), **_launch_args(), num_warps=8)
@@ -348,12 +323,18 @@ def lanes_many_of(tensors: list[torch.Tensor]) -> torch.Tensor:
     numels = [t.numel() * (2 if t.is_complex() else 1) for t in tensors]
     bound = MANY_GROUP_BYTES
     key = (str(device), bound, tuple(zip(numels, widths, names, strict=True)))
-
-    def build() -> _ManyPlan:
-        seeds = [(dtype_seed(n, 0), dtype_seed(n, 1)) for n in names]
-        return _ManyPlan(numels, widths, seeds, device, bound)
-
-    plan = _plan_for(key, build)
+    with _plans_lock:
+        plan = _plans.get(key)
+        if plan is not None:
+            _plans.move_to_end(key)
+    if plan is None:
+        plan = _ManyPlan(numels, widths, [(dtype_seed(n, 0), dtype_seed(n, 1)) for n in names], device, bound)
+        with _plans_lock:
+            _plans[key] = plan
+            total = sum(p.nbytes for p in _plans.values())
+            while len(_plans) > 1 and (len(_plans) > _PLANS_KEPT or total > _PLAN_BYTES_KEPT):
+                _, old = _plans.popitem(last=False)
+                total -= old.nbytes
     plan.use_on(_current_stream(device))
     partials = torch.empty((plan.programs + 1, 2), dtype=torch.int64, device=device)
     partials[0].zero_()
