@@ -19,7 +19,7 @@ import stat as stat_module
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from typing import Any
@@ -247,7 +247,7 @@ def listdir(url: str) -> list[str]:
 
 
 class _Entry:
-    """One entry of :func:`scandir`: the interface of ``os.DirEntry`` (no links in an object store)."""
+    """One entry of :func:`scandir`: what this package reads of an ``os.DirEntry`` (no links in an object store)."""
 
     def __init__(self, parent: str, info: dict[str, Any]) -> None:
         self.name = info["name"].rstrip("/").rsplit("/", 1)[-1]
@@ -257,39 +257,26 @@ class _Entry:
     def is_dir(self, *, follow_symlinks: bool = True) -> bool:
         return self._info.get("type") == "directory"
 
-    def is_file(self, *, follow_symlinks: bool = True) -> bool:
-        return self._info.get("type") == "file"
-
-    def is_symlink(self) -> bool:
-        return False
-
     def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
         return _stat_result(self._info)
 
-    def inode(self) -> int:
-        return self.stat().st_ino
-
 
 class _Scan:
+    """:func:`scandir`'s entries, iterated in a ``with`` block as ``os.scandir``'s, and :meth:`unaddressable`."""
+
     def __init__(self, url: str, entries: list[_Entry], odd: list[tuple[str, dict[str, Any]]]) -> None:
         self._url = url
-        self._it = iter(entries)
+        self._entries = entries
         self._odd = odd
 
     def __enter__(self) -> _Scan:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        pass
 
-    def __iter__(self) -> _Scan:
-        return self
-
-    def __next__(self) -> _Entry:
-        return next(self._it)
-
-    def close(self) -> None:
-        self._it = iter(())
+    def __iter__(self) -> Iterator[_Entry]:
+        return iter(self._entries)
 
     def unaddressable(self, limit: int) -> tuple[list[str], bool]:
         """Keys under the prefix no path reaches, as stored relative to it, sorted; at most ``limit``, and whether there
