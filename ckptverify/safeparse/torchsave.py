@@ -353,35 +353,6 @@ def _is_kind(value: Any, kind: str, part_type: type | None) -> bool:
     return getattr(type(value), "label", None) == kind and getattr(value, "fields", None) is not None
 
 
-def _subclass_header(func: Any, new_type: Any, args: Any, state: Any) -> SubclassHeader:
-    """The :class:`SubclassHeader` of ``_rebuild_from_type_v2`` arguments for an allowlisted subclass;
-    :class:`BadPickle` otherwise."""
-    if func is not _WRAPPER or type(new_type) is not _SubclassType:
-        raise BadPickle("_rebuild_from_type_v2 of something other than an allowlisted tensor subclass")
-    if type(args) is not tuple or len(args) != 8:
-        raise BadPickle("malformed wrapper subclass arguments")
-    cls, dtype, size, stride, offset, layout, _device, requires_grad = args
-    if (cls is not new_type or type(dtype) is not DTypeGlobal or layout is not _STRIDED
-            or type(requires_grad) is not bool):
-        raise BadPickle("wrapper subclass arguments name another class, no dtype or another layout")
-    if not isinstance(size, tuple) or not isinstance(stride, tuple) or len(size) > 64 or len(size) != len(stride):
-        raise BadPickle("wrapper subclass size or stride is not a short tuple")
-    if not all(type(v) is int and 0 <= v < 1 << 63 for v in (offset, *size, *stride)):
-        raise BadPickle("wrapper subclass view fields are not small non-negative integers")
-    if type(state) is not dict or not all(type(k) is str for k in state):
-        raise BadPickle("wrapper subclass state is not a dict of attributes")
-    _check_attributes(new_type._label, state, TensorHeader)
-    if state["orig_dtype"].name != dtype.name:
-        raise BadPickle(f"{new_type._label} of {dtype.name} records another original dtype")
-    names = SUBCLASSES[new_type._label]
-    parts = tuple((n, state[n]) for n in names if state.get(n) is not None)
-    # ``_is_param`` (see _check_attributes) is not among the attributes the live tensor flattens to.
-    context = {k: _canonical(v) for k, v in state.items()
-               if k not in names and v is not None and not (k == "_is_param" and v is True)}
-    text = json.dumps(context, sort_keys=True, separators=(",", ":"))
-    return SubclassHeader(new_type._label, dtype.name, tuple(size), tuple(stride), parts, text)
-
-
 def _allowlist() -> dict[tuple[str, str], Any]:
     """Every global a ``torch.save`` pickle may name -> its shared stand-in. The tensor rebuilds, the subclass
     rebuild and the layout lookup are the reader's own (:data:`_READER_GLOBALS`)."""
@@ -515,7 +486,31 @@ class _Reader(ReferenceUnpickler):
             return self.unknown_global("torch._tensor", "_rebuild_from_type_v2")(func, new_type, args, state, *rest)
         if rest:
             raise BadPickle(f"a {label} record with extra arguments")
-        return _subclass_header(func, new_type, args, state)
+        if func is not _WRAPPER or type(new_type) is not _SubclassType:
+            raise BadPickle("_rebuild_from_type_v2 of something other than an allowlisted tensor subclass")
+        if type(args) is not tuple or len(args) != 8:
+            raise BadPickle("malformed wrapper subclass arguments")
+        cls, dtype, size, stride, offset, layout, _device, requires_grad = args
+        if (cls is not new_type or type(dtype) is not DTypeGlobal or layout is not _STRIDED
+                or type(requires_grad) is not bool):
+            raise BadPickle("wrapper subclass arguments name another class, no dtype or another layout")
+        if (not isinstance(size, tuple) or not isinstance(stride, tuple) or len(size) > 64
+                or len(size) != len(stride)):
+            raise BadPickle("wrapper subclass size or stride is not a short tuple")
+        if not all(type(v) is int and 0 <= v < 1 << 63 for v in (offset, *size, *stride)):
+            raise BadPickle("wrapper subclass view fields are not small non-negative integers")
+        if type(state) is not dict or not all(type(k) is str for k in state):
+            raise BadPickle("wrapper subclass state is not a dict of attributes")
+        _check_attributes(label, state, TensorHeader)
+        if state["orig_dtype"].name != dtype.name:
+            raise BadPickle(f"{label} of {dtype.name} records another original dtype")
+        names = SUBCLASSES[label]
+        parts = tuple((n, state[n]) for n in names if state.get(n) is not None)
+        # ``_is_param`` (see _check_attributes) is not among the attributes the live tensor flattens to.
+        context = {k: _canonical(v) for k, v in state.items()
+                   if k not in names and v is not None and not (k == "_is_param" and v is True)}
+        text = json.dumps(context, sort_keys=True, separators=(",", ":"))
+        return SubclassHeader(label, dtype.name, tuple(size), tuple(stride), parts, text)
 
     def _get_layout(self, *args: Any) -> Any:
         if args == ("torch.strided",):

@@ -244,14 +244,7 @@ class ArchiveTemplate:
         for r in sorted(varying):
             holes.extend(self._payloads[r])
             holes.extend((at, at + 4) for at in self._fields[r])
-        out, cursor = [], 0
-        for start, end in sorted(holes):
-            if start > cursor:
-                out.append((cursor, start, self.data[cursor:start]))
-            cursor = max(cursor, end)
-        if cursor < len(self.data):
-            out.append((cursor, len(self.data), self.data[cursor:]))
-        return out
+        return [(lo, hi, self.data[lo:hi]) for lo, hi in _subtract((0, len(self.data)), _merged(holes))]
 
     def match(self, buf: bytes, base: int) -> tuple[Archive, list[int | None]] | None:
         """The archive at ``buf[base:base + len(template)]`` and per record its CRC where the template's holds
