@@ -44,6 +44,7 @@ from ckptverify.fingerprint.spec import (
     INDEX_MULTIPLIER,
     LANES,
     Mixer,
+    add_lanes,
     dtype_seed,
     mix,
     numpy_lanes,
@@ -139,24 +140,14 @@ def get_backend() -> str:
     return _backend
 
 
-def _stage_dtype(bits_dtype: torch.dtype) -> torch.dtype:
-    """The integer dtype a CPU block is staged in (int32 for 8/16-bit bits: the same values after sign extension)."""
-    return torch.int32 if bits_dtype in (torch.int8, torch.int16) else bits_dtype
-
-
 def _wants_compiled(device: torch.device, numel: int, bits_dtype: torch.dtype | None = None) -> bool:
     """Whether a chunk of ``numel`` elements (``bits_dtype``: its staged bits) is for the compiled kernel."""
+    # The compiled kernel cannot run under a Python dispatch mode, and failing there would disable it for good.
     if (_compile_failed or _backend == "numpy" or device.type != "cpu" or numel < COMPILED_BLOCK
-            or _under_dispatch_mode()):
+            or _python_dispatch._get_current_dispatch_mode() is not None):
         return False
     return (_backend == "compiled" or _host_bytes >= AUTO_COMPILE_AFTER_BYTES
             or bool(_verified.get((device.type, bits_dtype))))
-
-
-def _under_dispatch_mode() -> bool:
-    """Whether a Python dispatch mode is active: the compiled kernel cannot run under one, and failing there would
-    disable it for the whole process."""
-    return _python_dispatch._get_current_dispatch_mode() is not None
 
 
 def prepare_compiled(dtype: torch.dtype = torch.float32) -> bool:
@@ -177,11 +168,11 @@ def compile_in_background(dtype: torch.dtype) -> None:
 
 
 def cpu_kernel_dtype(dtype: torch.dtype) -> torch.dtype | None:
-    """The staging dtype naming the kernel compilation a ``dtype`` chunk takes (1-4 byte elements int32, 8-byte int64;
-    complex as two parts); ``None`` if the kernel does not take that width."""
+    """The integer dtype a ``dtype`` chunk (or its bits view) is staged in, naming the kernel compilation it takes:
+    int32 for 1-4 byte elements (8/16-bit bits sign-extend to the same values), int64 for 8-byte, complex as two
+    parts; ``None`` if the kernel does not take that width."""
     size = dtype.itemsize // (2 if dtype.is_complex else 1)
-    bits = _INT_VIEW_BY_SIZE.get(size)
-    return None if bits is None else _stage_dtype(bits)
+    return None if size not in _INT_VIEW_BY_SIZE else torch.int64 if size == 8 else torch.int32
 
 
 def _disable_compiled(reason: object) -> None:
@@ -331,7 +322,7 @@ def _lanes(
         if flat.numel() <= SMALL_NUMPY:
             # A small chunk: one numpy formula has the smallest fixed cost.
             return _small_lanes(flat, geometry, seeds), None
-        stage_dtype = _stage_dtype(flat.dtype)
+        stage_dtype = cpu_kernel_dtype(flat.dtype)
         if geometry.run_length >= COMPILED_BLOCK and _wants_compiled(device, flat.numel(), stage_dtype):
             # Backend "auto" does not wait for the compilation: the host path takes the chunks until it is ready.
             compiled = _compiled_kernel(stage_dtype, device, wait=_backend == "compiled")
@@ -340,8 +331,7 @@ def _lanes(
                 # on a busy machine).
                 runner = CpuBlockLanes(compiled, flat, geometry, seeds, stage_dtype, screen)
                 parts = _host_map(runner.run, len(runner.blocks), _host_threads(flat.numel()))
-                lanes = (sum(p[0] for p in parts) & _MASK64, sum(p[1] for p in parts) & _MASK64)
-                return lanes, sum(p[2] for p in parts)
+                return add_lanes(parts), sum(p[2] for p in parts)
         # One pass in numpy over cache-sized blocks, both lanes at once, on torch's threads' worth of cores.
         got = host_lanes(flat, geometry, seeds)
         _host_bytes += flat.numel() * flat.element_size()
@@ -459,17 +449,14 @@ def _slab_lanes(t: torch.Tensor, offsets: list[int], global_shape: list[int], na
     """
     dim = next(d for d, size in enumerate(t.shape) if size > 1)
     per = max(1, SLAB // (t.numel() // t.shape[dim]))
-    lanes = [0, 0]
-    count: int | None = 0
+    parts, counts = [], []
     for start in range(0, t.shape[dim], per):
-        piece = t.narrow(dim, start, min(per, t.shape[dim] - start))
         at = list(offsets)
         at[dim] += start
-        (a, b), c = _lanes(piece, at, global_shape, name, screen)
-        lanes[0] += a
-        lanes[1] += b
-        count = None if c is None or count is None else count + c
-    return (lanes[0] & _MASK64, lanes[1] & _MASK64), count
+        lanes, count = _lanes(t.narrow(dim, start, min(per, t.shape[dim] - start)), at, global_shape, name, screen)
+        parts.append(lanes)
+        counts.append(count)
+    return add_lanes(parts), None if None in counts else sum(counts)
 
 
 #: Chunks of at most this many elements take :func:`_small_lanes` on CPU under backend ``auto``.
@@ -645,7 +632,7 @@ def host_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int],
         return int(acc[0]), int(acc[1])
 
     parts = _host_map(blocks, nblocks, threads or _host_threads(flat.numel()))
-    return sum(p[0] for p in parts) & _MASK64, sum(p[1] for p in parts) & _MASK64
+    return add_lanes(parts)
 
 
 def _host_run_starts(geometry: _Geometry, q0: int, count: int) -> np.ndarray:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.errors import UsageError
-from ckptverify.fingerprint.spec import FINGERPRINT_VERSION, signed
+from ckptverify.fingerprint.spec import FINGERPRINT_VERSION, add_lanes, signed
 from ckptverify.fingerprint.spec import MASK64 as _MASK64
 
 if TYPE_CHECKING:
@@ -68,7 +68,6 @@ def combine(parts: Iterable[TensorFingerprint]) -> TensorFingerprint:
     if not parts:
         raise UsageError("combine() needs at least one fingerprint")
     first = parts[0]
-    lane0 = lane1 = elements = 0
     for part in parts:
         if (part.dtype, part.shape, part.version) != (first.dtype, first.shape, first.version):
             raise UsageError(
@@ -76,11 +75,8 @@ def combine(parts: Iterable[TensorFingerprint]) -> TensorFingerprint:
                 f"{first.dtype}{list(first.shape)} v{first.version} vs "
                 f"{part.dtype}{list(part.shape)} v{part.version}"
             )
-        a, b = part.lanes
-        lane0 += a
-        lane1 += b
-        elements += part.elements
-    return TensorFingerprint.from_lanes((lane0, lane1), first.dtype, first.shape, elements)
+    return TensorFingerprint.from_lanes(add_lanes(p.lanes for p in parts), first.dtype, first.shape,
+                                        sum(p.elements for p in parts))
 
 
 def chunk_fingerprint(t: torch.Tensor, global_offsets: Sequence[int], global_shape: Sequence[int]) -> TensorFingerprint:
@@ -142,10 +138,7 @@ class BlockwiseFingerprint:
         while hi < len(ends) and ends[hi] <= ready:
             hi += 1
         if hi > self._next:
-            a, b, c = self._runner.run(self._next, hi)
-            self._sums[0] += a
-            self._sums[1] += b
-            self._sums[2] += c
+            self._sums = [x + y for x, y in zip(self._sums, self._runner.run(self._next, hi), strict=True)]
             self._next = hi
 
     @property
@@ -157,8 +150,7 @@ class BlockwiseFingerprint:
         """What :func:`chunk_fingerprint_counted` gives for the chunk (call once :attr:`complete`)."""
         if not self.complete:
             raise RuntimeError("the chunk's fingerprint is not complete")
-        lanes = (self._sums[0] & _MASK64, self._sums[1] & _MASK64)
-        fp = TensorFingerprint.from_lanes(lanes, self._name, self._shape, self._numel)
+        fp = TensorFingerprint.from_lanes(add_lanes([self._sums]), self._name, self._shape, self._numel)
         return fp, self._sums[2] if self._counted else None
 
 
@@ -280,12 +272,8 @@ def _dtensor_fingerprint(t: Any) -> TensorFingerprint:
         if [len(ix) for ix in index] != list(local.shape):
             raise UsageError(f"DTensor local shard has shape {list(local.shape)}, expected "
                              f"{[len(ix) for ix in index]}")
-        sums = [0, 0]
-        for box, offsets in _boxes(index):
-            a, b = kern.fingerprint_lanes(local[box], offsets, gshape, name)
-            sums[0] += a
-            sums[1] += b
-        lanes, count = (sums[0] & _MASK64, sums[1] & _MASK64), local.numel()
+        lanes = add_lanes(kern.fingerprint_lanes(local[box], offsets, gshape, name) for box, offsets in _boxes(index))
+        count = local.numel()
 
     # Sum over the whole mesh, one mesh dimension at a time. All-gather (exact) then add modulo 2**64.
     values = [signed(lanes[0]), signed(lanes[1]), count]

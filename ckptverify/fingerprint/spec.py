@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["DTYPE_NAMES", "FINGERPRINT_VERSION", "INDEX_MULTIPLIER", "LANES", "MASK64", "Mixer", "dtype_seed", "mix",
-           "numpy_lanes", "signed"]
+__all__ = ["DTYPE_NAMES", "FINGERPRINT_VERSION", "INDEX_MULTIPLIER", "LANES", "MASK64", "Mixer", "add_lanes",
+           "dtype_seed", "mix", "numpy_lanes", "signed"]
 
 W = TypeVar("W")
 
@@ -30,6 +30,16 @@ def signed(value: int) -> int:
     """The int64 (two's complement) reading of a value taken modulo 2**64."""
     value &= MASK64
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def add_lanes(parts: Iterable[Sequence[int]]) -> tuple[int, int]:
+    """The lane sums of disjoint parts (each ``(lane 0, lane 1, ...)``, any further items ignored): sums mod 2**64,
+    in any order."""
+    a = b = 0
+    for part in parts:
+        a += part[0]
+        b += part[1]
+    return a & MASK64, b & MASK64
 
 
 @dataclass(frozen=True)
