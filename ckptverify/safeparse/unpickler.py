@@ -238,21 +238,18 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
 
     def load_newobj(self) -> None:
         args = self.stack.pop()
-        cls = self.stack.pop()
-        if not isinstance(cls, type):
-            raise BadPickle("NEWOBJ of a value that is not a class")
-        if not isinstance(args, tuple):
-            raise BadPickle("NEWOBJ arguments are not a tuple")
-        self.append(cls.__new__(cls, *args))
+        self._new("NEWOBJ", self.stack.pop(), args, {})
 
     def load_newobj_ex(self) -> None:
         kwargs = self.stack.pop()
         args = self.stack.pop()
-        cls = self.stack.pop()
+        self._new("NEWOBJ_EX", self.stack.pop(), args, kwargs)
+
+    def _new(self, op: str, cls: Any, args: Any, kwargs: Any) -> None:
         if not isinstance(cls, type):
-            raise BadPickle("NEWOBJ_EX of a value that is not a class")
+            raise BadPickle(f"{op} of a value that is not a class")
         if not isinstance(args, tuple) or not isinstance(kwargs, dict):
-            raise BadPickle("NEWOBJ_EX arguments are not a tuple and a dict")
+            raise BadPickle(f"{op} arguments are not a tuple" + (" and a dict" if op == "NEWOBJ_EX" else ""))
         self.append(cls.__new__(cls, *args, **kwargs))
 
     def load_reduce(self) -> None:
