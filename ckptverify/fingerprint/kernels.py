@@ -368,9 +368,9 @@ class CpuBlockLanes:
         shape = (COMPILED_BLOCK // _ref.ROW_WIDTH, _ref.ROW_WIDTH)
         tables, stage, stage_np, screen_arg = self._thread_buffers(shape)
         fn, seeds, screen = self._fn, self._seeds, self._screen
-        lanes = [0, 0, 0]
+        total = [0, 0, 0]
         for blk in self.blocks[lo:hi]:
-            a = b = c = None
+            part = None
             if blk.bits.shape == shape and not _compile_failed:
                 try:
                     if STAGE_COPY == "numpy":
@@ -380,18 +380,16 @@ class CpuBlockLanes:
                     with torch.no_grad():
                         res = fn(stage, tables.row_terms(blk.first_start), tables.column_table, tables.seeds,
                                  screen_arg)
-                    a, b, c = res.tolist()
+                    part = res.tolist()
                 except Exception as exc:  # pragma: no cover - depends on the environment
                     _disable_compiled(exc)
-            if a is None or b is None or c is None:
+            if part is None:
                 # Rows of one run: consecutive global indices from ``first_start``.
-                n = blk.bits.numel()
-                a, b = host_lanes(blk.bits.reshape(-1), _Geometry((), (), blk.first_start, n), seeds, threads=1)
-                c = _count_special(blk.bits, screen) if screen is not None else 0
-            lanes[0] += a
-            lanes[1] += b
-            lanes[2] += c
-        return lanes[0], lanes[1], lanes[2]
+                geometry = _Geometry((), (), blk.first_start, blk.bits.numel())
+                part = (*host_lanes(blk.bits.reshape(-1), geometry, seeds, threads=1),
+                        _count_special(blk.bits, screen) if screen is not None else 0)
+            total = [x + y for x, y in zip(total, part, strict=True)]
+        return total[0], total[1], total[2]
 
     def _thread_buffers(self, shape: tuple[int, int]) -> tuple[_CompiledTables, torch.Tensor, Any, torch.Tensor]:
         """This thread's kernel inputs for the chunk's seeds and screen, and its staging buffer (kept per thread)."""
