@@ -543,18 +543,14 @@ def item_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
     :class:`TensorHeader` s; ``pickle.UnpicklingError`` for anything else (a global outside the allowlist is
     refused, no tuple may be hashed). Small records are cached by their bytes (one per dtype and shape)."""
     if len(data_pkl) <= _CACHED_HEADER_BYTES:
-        return _cached_header(bytes(data_pkl))
-    return _read_header(data_pkl)
+        return _read_header(bytes(data_pkl))
+    return _read_header.__wrapped__(data_pkl)
 
 
 _CACHED_HEADER_BYTES = 4096
 
 
 @functools.lru_cache(maxsize=2048)
-def _cached_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
-    return _read_header(data_pkl)
-
-
 def _read_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
     try:
         with refusing():
