@@ -236,3 +236,20 @@ def test_a_corrupt_checkpoint_is_refused_and_changes_nothing(good, tmp_path) -> 
     with pytest.raises(CheckpointRefusedError):
         ckptverify.load(state, bad)
     assert_unchanged(before, snapshot(state))
+
+
+def test_load_parses_each_metadata_file_once(good: tuple[Path, dict[str, Any]], monkeypatch) -> None:
+    """The reader proves and parses ``.metadata`` once: the layout the template is made from and what DCP loads."""
+    from ckptverify.dcp import metadata as md
+
+    path, _ = good
+    parsed: list[str] = []
+    real = md.parse_metadata
+
+    def counted(data: bytes, name: str = md.METADATA_FILE) -> md.ParsedMetadata:
+        parsed.append(name)
+        return real(data, name)
+
+    monkeypatch.setattr(md, "parse_metadata", counted)
+    ckptverify.load(build(7), path, verify="off")
+    assert parsed == [md.METADATA_FILE]
