@@ -265,13 +265,9 @@ def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: b
             return Report(command="fingerprint", target=root, findings=(*findings, *_under(part, sub.findings)),
                           coverage=checked.coverage, stats=checked.stats), None
     names = [os.path.basename(os.path.abspath(root))] if single else None
-    try:
-        written, manifest, missing = _described_manifest(root, names, own, digest, block_bytes)
-    except FileChangedError as exc:
-        return _refusal(verified, f"a file changed while it was digested; {_GONE}",
-                        changed_finding(os.path.basename(str(exc.path)), str(exc))), None
+    written, manifest, missing, why = _described_manifest(root, names, own, digest, block_bytes)
     if manifest is None:
-        return _refusal(verified, f"files were added or removed while they were digested; {_GONE}"), None
+        return _refusal(verified, *why), None
     notes, coverage = _described_written(checked, written, manifest, missing, uncheckable, own,
                                          f", and a manifest in each of {len(parts)} DCP part(s)" if parts else "")
     stats = {**checked.stats, "seconds": round(time.perf_counter() - started, 6)}
@@ -292,20 +288,25 @@ def _described_written(checked: Report, written: str, manifest: Manifest, missin
 
 
 def _described_manifest(root: str, names: list[str] | None, own: str, digest: str,
-                        block_bytes: int) -> tuple[str, Manifest | None, int]:
-    """The manifest of one file (``names``) or a folder's top files (``None``), written as ``own``: path, manifest
-    (``None`` if files came or went) and unfingerprinted count. Raises ``FileChangedError`` if a file changed."""
+                        block_bytes: int) -> tuple[str, Manifest | None, int, tuple[Any, ...]]:
+    """The manifest of one file (``names``) or a folder's top files (``None``), written as ``own``: path, manifest,
+    unfingerprinted count and ``()``; no manifest when a file changed or files came or went, with the refusal's words
+    and findings instead."""
     from ckptverify.checks.described import manifest_entries
     from ckptverify.formats.describe import describe, folder_files
 
-    desc = describe(root)
-    listed = folder_files(root) if names is None else names
-    files, items, tensors, missing = manifest_entries(desc, listed, digest, block_bytes)
-    manifest = _manifest(digest_algorithm=digest, block_bytes=block_bytes, items=tuple(items), files=files,
-                         tensors=tensors, world_size=1)
-    if names is None and set(folder_files(root)) != set(listed):
-        return "", None, missing
-    return write_manifest(desc.root, manifest, name=own), manifest, missing
+    try:
+        desc = describe(root)
+        listed = folder_files(root) if names is None else names
+        files, items, tensors, missing = manifest_entries(desc, listed, digest, block_bytes)
+        manifest = _manifest(digest_algorithm=digest, block_bytes=block_bytes, items=tuple(items), files=files,
+                             tensors=tensors, world_size=1)
+        if names is None and set(folder_files(root)) != set(listed):
+            return "", None, missing, (f"files were added or removed while they were digested; {_GONE}",)
+        return write_manifest(desc.root, manifest, name=own), manifest, missing, ()
+    except FileChangedError as exc:
+        return "", None, 0, (f"a file changed while it was digested; {_GONE}",
+                             changed_finding(os.path.basename(str(exc.path)), str(exc)))
 
 
 def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tuple[frozenset[str], Executor]],
@@ -383,13 +384,9 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tupl
             return result(merged.findings, merged.coverage), None, unwritten
     checked = merge_reports("fingerprint", root, reports)
     uncheckable = [f for f in checked.findings if f.check == UNCHECKABLE]
-    try:
-        written, manifest, missing = _described_manifest(root, None, MANIFEST_FILE, "xxh3-128", DEFAULT_BLOCK_BYTES)
-    except FileChangedError as exc:
-        return refused(f"a file changed while it was digested; {_GONE}",
-                       changed_finding(os.path.basename(str(exc.path)), str(exc)))
+    written, manifest, missing, why = _described_manifest(root, None, MANIFEST_FILE, "xxh3-128", DEFAULT_BLOCK_BYTES)
     if manifest is None:
-        return refused(f"files were added or removed while they were digested; {_GONE}")
+        return refused(*why)
     also = f", and a manifest in each of {len(subs) - len(unwritten)} DCP part(s)"
     if unwritten:
         also += (f"; none in {', '.join(unwritten)}: their shards, under CRC-32, were verified on the nodes that "

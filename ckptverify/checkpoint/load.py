@@ -361,7 +361,6 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
     import torch.distributed.checkpoint as dcp
 
     from ckptverify.dcp.loading import SafeLoadPlanner
-    from ckptverify.dcp.metadata import read_layout
     from ckptverify.dcp.storage_reader import ProvingFileSystemReader
     from ckptverify.runs.stamp import files_fingerprint
 
@@ -376,7 +375,7 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
     refuse = check and on_restore_mismatch == "raise"
     undo = None
     try:
-        layout, _ = read_layout(root)  # read safely
+        layout = reader.layout()  # the metadata read safely and proven, once: what DCP loads below
         state.saved_world_size = saved_world_size(layout)
         template = _load_template(state.state_dict())
         _match_saved_cuda_kinds(template, layout, state.rank)

@@ -76,7 +76,8 @@ class Executor(Protocol):
     :class:`ckptverify.cluster.recorded.Recorded` from the after-save parts' records): ``map_units`` gives, in order,
     results of work units (:mod:`ckptverify.cluster.units`) over ``run``'s files, each read on some rank, advancing
     ``run``'s progress; ``tensor_map`` a ``run_map`` for :func:`~ckptverify.checks.deep.scan_description` sharing the
-    raw tensor pieces; ``world`` and ``map_plain`` (the units under ``root`` via ``open_file``: ``scan``) the ranks'.
+    raw tensor pieces; ``world`` and ``map_plain`` (the units under ``root`` via ``open_file``: ``scan``) the ranks';
+    ``describe`` adds to a description what it brings of ``files`` not opened here (asked only by a run with ``skip``).
     """
 
     world: int
@@ -88,6 +89,8 @@ class Executor(Protocol):
                   advance: Callable[[int], None] | None = None, jobs: int | None = 1) -> list[Any]: ...
 
     def tensor_map(self, run: VerificationRun) -> Callable[[Callable[[Any], Any], list[Any]], list[Any]]: ...
+
+    def describe(self, desc: Description, files: frozenset[str]) -> None: ...
 
 
 def default_jobs() -> int:
@@ -592,7 +595,7 @@ class VerificationRun:
         with paused_gc():  # one object per item and payload, no reference cycles (see gcpause)
             desc = self._describe(values, values_skip, side_files)
         if self._skip and self._executor is not None:  # other nodes' files, items and pieces, as their parts recorded
-            self._executor.describe(desc, self._skip)  # type: ignore[attr-defined]
+            self._executor.describe(desc, self._skip)
         return desc
 
     def _describe(self, values: bool, values_skip: frozenset[str] | set[str], side_files: bool) -> Description:

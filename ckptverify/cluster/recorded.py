@@ -110,30 +110,35 @@ class Recorded(UnitExecutor):
 
     def map_units(self, run: Any, units: list[Unit]) -> list[Any]:
         keys = [_key(u) for u in units]
-        todo = [n for n, k in enumerate(keys) if k not in self._known]
+        got = self._read_here(run, units, [n for n, k in enumerate(keys) if k not in self._known])
+        return [got[n] if n in got else self._known[k] for n, k in enumerate(keys)]
+
+    def _read_here(self, run: Any, units: list[Unit], todo: list[int]) -> dict[int, Any]:
+        """The results of ``units[n]`` for ``n`` in ``todo``, read through the run's files and recorded."""
         for n in todo:
             self._missing(run, units[n])
         got = dict(zip(todo, run.map(lambda n: execute(units[n], opened_in(run), run.root), todo), strict=True))
         self.records += [[units[n], got[n]] for n in todo]
-        return [got[n] if n in got else self._known[k] for n, k in enumerate(keys)]
+        return got
 
     def tensor_map(self, run: Any) -> Callable[[Callable[[Any], Any], list[Any]], list[Any]]:
         """:meth:`UnitExecutor.tensor_map` answering every piece the records hold (transformed ones too), recording
         those scanned here; a tensor subclass is scanned where it is stored, never shared (:meth:`describe`)."""
         from ckptverify.checks.deep import TensorScan
 
-        shared = super().tensor_map(run)
-
         def recorded(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
             units = [payload_unit(x[0].name, x[0].shape, x[1]) if isinstance(x, tuple) else ["subclass", x.name]
                      for x in items]
             keys = [_key(u) for u in units]
             rest = [n for n, k in enumerate(keys) if k not in self._known]
-            for n in rest:
-                if units[n][0] == "payload" and not is_raw(items[n]):  # a raw one: map_units
+            other = [n for n in rest if not is_raw(items[n])]  # rebuilt here; raw pieces are read as units
+            for n in other:
+                if units[n][0] == "payload":
                     self._missing(run, units[n])
-            got = dict(zip(rest, shared(fn, [items[n] for n in rest]), strict=True))
-            self.records += [[units[n], got[n].to_json()] for n in rest if not is_raw(items[n])]
+            raw = [n for n in rest if is_raw(items[n])]
+            got = {n: TensorScan.from_json(value) for n, value in self._read_here(run, units, raw).items()}
+            got.update(zip(other, run.map(fn, [items[n] for n in other]), strict=True))
+            self.records += [[units[n], got[n].to_json()] for n in other]
             return [got[n] if n in got else TensorScan.from_json(self._known[k]) for n, k in enumerate(keys)]
 
         return recorded

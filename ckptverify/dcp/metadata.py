@@ -160,11 +160,17 @@ def read_all(root: str) -> tuple[Layout | None, list[Finding], dict[str, ParsedM
         used = [n for n in ranked if n in parsed]
     if not used:
         return None, findings, parsed
+    layout, merged = merged_layout(names, [parsed[name] for name in used])
+    return layout, findings + merged, parsed
+
+
+def merged_layout(names: list[str], used: list[ParsedMetadata]) -> tuple[Layout, list[Finding]]:
+    """The layout of the files ``used`` (parsed, of the metadata files ``names``), merged in order, and the findings
+    of files that disagree."""
     layout = Layout(metadata_files=names, per_rank=METADATA_FILE not in names)
     merger = _Merger(layout)
-    for name in used:
-        findings.extend(merger.add(parsed[name], _rank(name)))
-    return layout, findings, parsed
+    findings = [f for parsed in used for f in merger.add(parsed, _rank(parsed.name))]
+    return layout, findings
 
 
 def _read_one(root: str, name: str, rank: int | None) -> ParsedMetadata | Finding:

@@ -23,12 +23,13 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ckptverify.dcp import metadata as md
 from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.dcp.tensors import torch_dtype
-from ckptverify.errors import BadPickle, CheckpointRefusedError, ProofFailedError, UnsafeGlobal
+from ckptverify.errors import BadPickle, CheckpointRefusedError, ProofFailedError, StorageError, UnsafeGlobal
 from ckptverify.safeparse import paths
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
+    from ckptverify.dcp.layout import Layout
     from ckptverify.ownfiles.manifest import Manifest
 
 
@@ -38,6 +39,8 @@ class SafeFileSystemReader(FileSystemReader):
 
     def __init__(self, path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
+        #: Metadata files :meth:`layout` read (parsed, or why not), until :meth:`read_metadata` takes them.
+        self._kept: dict[str, md.ParsedMetadata | Exception] = {}
         if paths.is_url(os.fspath(path)):
             from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 
@@ -47,6 +50,22 @@ class SafeFileSystemReader(FileSystemReader):
             remote.filesystem(url)  # the extra is installed, or a UsageError saying what to install
             self.fs = FsspecFileSystem()  # type: ignore[assignment]
             self.path = self.fs.init_path(url, **remote.storage_options(url))
+
+    def layout(self) -> Layout | None:
+        """The layout of the metadata DCP will load (``.metadata``, else every ``__N.metadata`` merged): each file read,
+        checked and parsed here once, kept for :meth:`read_metadata`. ``None`` when none could be; a file's failure is
+        raised by :meth:`read_metadata`, inside DCP's load, so every rank fails alike."""
+        root = os.fspath(self.path)
+        names = md.metadata_files(root)
+        for name in names[:1] if md.METADATA_FILE in names else names:
+            try:
+                self._kept[name] = self._parse(name)
+            except StorageError:
+                raise  # the store failed, not the checkpoint: the command could not run
+            except Exception as exc:
+                self._kept[name] = exc
+        used = [p for p in self._kept.values() if isinstance(p, md.ParsedMetadata)]
+        return md.merged_layout(names, used)[0] if used else None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -60,7 +79,10 @@ class SafeFileSystemReader(FileSystemReader):
         if rank is None and len(names) > 1 and md.METADATA_FILE in names:
             raise CheckpointRefusedError(
                 f"refusing {root}: per-rank metadata {names[1]} lies beside .metadata (run ckptverify verify)")
-        metadata = build_metadata(load_parsed(os.path.join(root, name), name, self._check_metadata))
+        kept = self._kept.pop(name, None)
+        if isinstance(kept, Exception):
+            raise kept
+        metadata = build_metadata(kept or self._parse(name))
         if metadata.storage_meta is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -68,30 +90,28 @@ class SafeFileSystemReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def _parse(self, name: str) -> md.ParsedMetadata:
+        """Read, check (:meth:`_check_metadata`) and validate one metadata file;
+        :class:`~ckptverify.errors.CheckpointRefusedError` on anything wrong."""
+        try:
+            raw = md.read_metadata_bytes(os.path.join(os.fspath(self.path), name))
+            self._check_metadata(name, raw)
+            parsed = md.parse_metadata(raw, name)
+        except (FileNotFoundError, StorageError):
+            raise
+        except OSError as exc:
+            raise CheckpointRefusedError(f"cannot read {name}: {exc.strerror or exc}") from None
+        except UnsafeGlobal as exc:
+            raise CheckpointRefusedError(f"refusing {name}: it asks to load the global {exc.name}") from None
+        except BadPickle as exc:
+            raise CheckpointRefusedError(f"refusing {name}: {exc}") from None
+        if parsed.unsafe_paths:
+            fqn, _, raw_path = parsed.unsafe_paths[0]
+            raise CheckpointRefusedError(f"refusing {name}: storage path {raw_path!r} of {fqn!r} leaves the checkpoint")
+        return parsed
+
     def _check_metadata(self, name: str, raw: bytes) -> None:
         """Called with each metadata file's bytes as read (nothing to check here)."""
-
-
-def load_parsed(path: str, name: str, check: Any = None) -> md.ParsedMetadata:
-    """Read and validate one metadata file; :class:`~ckptverify.errors.CheckpointRefusedError` on anything wrong.
-    ``check(name, raw)`` sees the raw bytes first."""
-    try:
-        raw = md.read_metadata_bytes(path)
-        if check is not None:
-            check(name, raw)
-        parsed = md.parse_metadata(raw, name)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise CheckpointRefusedError(f"cannot read {name}: {exc.strerror or exc}") from None
-    except UnsafeGlobal as exc:
-        raise CheckpointRefusedError(f"refusing {name}: it asks to load the global {exc.name}") from None
-    except BadPickle as exc:
-        raise CheckpointRefusedError(f"refusing {name}: {exc}") from None
-    if parsed.unsafe_paths:
-        fqn, _, raw = parsed.unsafe_paths[0]
-        raise CheckpointRefusedError(f"refusing {name}: storage path {raw!r} of {fqn!r} leaves the checkpoint")
-    return parsed
 
 
 class ProvingFileSystemReader(SafeFileSystemReader):

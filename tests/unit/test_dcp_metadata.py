@@ -153,3 +153,17 @@ def test_garbage_and_empty_metadata_are_unreadable(tmp_path):
 def test_no_metadata_is_an_incomplete_checkpoint(tmp_path):
     layout, findings = md.read_layout(str(tmp_path))
     assert layout is None and [f.check for f in findings] == ["metadata-missing"]
+
+
+@pytest.mark.parametrize("use_collectives", [True, False])
+def test_the_readers_layout_is_read_layouts_and_what_it_parsed_is_loaded(tmp_path, monkeypatch, use_collectives):
+    """The reader's layout is :func:`read_layout`'s (one ``.metadata``, or the per-rank files merged), and
+    ``read_metadata`` builds DCP's metadata from the file it parsed for it, without parsing it again."""
+    from ckptverify.dcp.storage_reader import SafeFileSystemReader
+
+    path = _save(tmp_path, {"w": torch.randn(6, 5), "meta": {"step": 3}}, use_collectives=use_collectives)
+    reader = SafeFileSystemReader(str(path))
+    assert reader.layout() == md.read_layout(str(path))[0]
+    monkeypatch.setattr(md, "parse_metadata", lambda *a: pytest.fail("parsed twice"))
+    metadata = reader.read_metadata() if use_collectives else reader.read_metadata(rank=0)
+    assert sorted(metadata.state_dict_metadata) == ["meta.step", "w"]

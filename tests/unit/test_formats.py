@@ -609,3 +609,20 @@ def test_every_format_passes_clean_catches_or_declares_a_flip_and_equals_its_cop
                                                         if f.check == "content-uncheckable"}
     assert file.name in named, [f.message for f in report.findings]
     assert not diff_checkpoints(a, b).passed
+
+
+def test_a_file_that_changes_while_it_is_digested_gets_no_manifest(pt_file: Path, monkeypatch) -> None:
+    """The adoption of a described file refuses, writing nothing, when the file changes while it is digested."""
+    from ckptverify.audit.adopt import file_manifest_path, fingerprint_checkpoint
+    from ckptverify.checks import described
+    from ckptverify.errors import FileChangedError
+
+    def changing(*args: object) -> None:
+        raise FileChangedError("it was rewritten", str(pt_file))
+
+    monkeypatch.setattr(described, "manifest_entries", changing)
+    report, manifest = fingerprint_checkpoint(pt_file)
+    assert manifest is None and not os.path.exists(file_manifest_path(str(pt_file)))
+    refusal = next(f for f in report.findings if f.check == "fingerprint-refused")
+    assert refusal.message.startswith("a file changed while it was digested")
+    assert any(f.check == "file-changed" and f.location.file == pt_file.name for f in report.findings)

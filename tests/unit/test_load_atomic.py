@@ -236,3 +236,38 @@ def test_a_corrupt_checkpoint_is_refused_and_changes_nothing(good, tmp_path) -> 
     with pytest.raises(CheckpointRefusedError):
         ckptverify.load(state, bad)
     assert_unchanged(before, snapshot(state))
+
+
+def test_load_parses_each_metadata_file_once(good: tuple[Path, dict[str, Any]], monkeypatch) -> None:
+    """The reader proves and parses ``.metadata`` once: the layout the template is made from and what DCP loads."""
+    from ckptverify.dcp import metadata as md
+
+    path, _ = good
+    parsed: list[str] = []
+    real = md.parse_metadata
+
+    def counted(data: bytes, name: str = md.METADATA_FILE) -> md.ParsedMetadata:
+        parsed.append(name)
+        return real(data, name)
+
+    monkeypatch.setattr(md, "parse_metadata", counted)
+    ckptverify.load(build(7), path, verify="off")
+    assert parsed == [md.METADATA_FILE]
+
+
+def test_a_replaced_metadata_fails_its_proof_and_changes_nothing(good, tmp_path) -> None:
+    """A ``.metadata`` other than the one the manifest digested (here: another save's of the same state, which
+    parses) fails its proof when DCP reads it, though the layout was read first: nothing is applied. (DCP folds the
+    reader's failure into its own message, so it comes back as a ``CkptVerifyError`` naming the check.)"""
+    import shutil
+
+    path, sd = good
+    swapped = tmp_path / "swapped"
+    shutil.copytree(path, swapped)
+    save_sd(sd, tmp_path / "other")
+    shutil.copyfile(tmp_path / "other" / ".metadata", swapped / ".metadata")
+    state = build(5)
+    before = snapshot(state)
+    with pytest.raises(CkptVerifyError, match=r"differs from the one written at save time \(manifest-digest\)"):
+        ckptverify.load(state, swapped, verify="off")
+    assert_unchanged(before, snapshot(state))
