@@ -348,6 +348,7 @@ def launch_each(nproc: int, device: str, runs: Sequence[tuple[str, list[tuple[st
     it starts), as many side by side as :func:`launches_at_once` allows; after all end, raise the first failed run's
     error. Returns the longest launch's seconds (what bounds a later re-run's time limit)."""
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
     longest = 0.0
 
@@ -359,14 +360,8 @@ def launch_each(nproc: int, device: str, runs: Sequence[tuple[str, list[tuple[st
         launch_jobs(nproc, device, jobs, timeout_s=timeout_s)
         longest = max(longest, time.perf_counter() - began)
 
-    width = launches_at_once(nproc, device)
-    if width <= 1 or len(runs) <= 1:
-        for run in runs:
-            one(run)
-        return longest
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=width, thread_name_prefix="ckptverify-launch") as pool:
+    # One at a time on CUDA, each still run to its end.
+    with ThreadPoolExecutor(launches_at_once(nproc, device), thread_name_prefix="ckptverify-launch") as pool:
         futures = [pool.submit(one, run) for run in runs]
     for future in futures:
         future.result()

@@ -286,7 +286,6 @@ class Run:
         if loader is None:
             it: Iterator[Any] = itertools.count(self._step + 1)
         else:
-            it = _epochs(loader, own, self.state)
             # Creating the iterator draws a base seed; the uninterrupted run drew it before the checkpoint, so
             # a resumed run must not draw it again.
             resumed = self._restored_from is not None and self.state is not None
@@ -294,8 +293,7 @@ class Run:
                 from ckptverify.state.rng import capture_rng, restore_rng
 
                 before = capture_rng(self.state.rng.generators)
-            marker = next(it, _END)
-            assert marker is _ITER_READY
+            it = _epochs(loader, own, self.state)
             if resumed:
                 restore_rng(before, self.state.rng.generators)
         self._pending = False
@@ -466,27 +464,26 @@ _END = object()
 
 
 def _epochs(loader: Iterable[Any], sampler: Any, state: Any) -> Iterator[Any]:
-    """Batches over epochs: first a marker once the epoch's iterator exists (right after the base-seed draw), then
-    batches; at each epoch's end ``sampler`` (the loader's ``ResumableSampler``, if any) and the epoch counter
-    advance."""
+    """Batches over epochs, the first epoch's iterator made now (drawing the base seed), each later one when the
+    previous epoch ends, after ``sampler`` (the loader's ``ResumableSampler``, if any) and the epoch counter
+    advance; a plain loader makes one pass."""
     stateful = type(loader).__name__.startswith("Stateful")
-    first_epoch = True
-    while True:
+
+    def epoch() -> Iterator[Any]:
         inner = iter(loader)  # draws the base seed now
-        batches = sampler.track(inner, batch_size=getattr(loader, "batch_size", None)) if (
-            sampler is not None and not stateful) else inner
-        if first_epoch:
-            yield _ITER_READY
-            first_epoch = False
-        yield from batches
-        if sampler is None:
-            return  # a plain loader: one pass
-        sampler.set_epoch(sampler.epoch + 1)
-        if state is not None:
-            state.counters.epoch = sampler.epoch
+        if sampler is None or stateful:
+            return inner
+        return sampler.track(inner, batch_size=getattr(loader, "batch_size", None))
 
+    def batches(first: Iterator[Any]) -> Iterator[Any]:
+        yield from first
+        while sampler is not None:
+            sampler.set_epoch(sampler.epoch + 1)
+            if state is not None:
+                state.counters.epoch = sampler.epoch
+            yield from epoch()
 
-_ITER_READY = object()
+    return batches(epoch())
 
 
 def _start_values(state: Any) -> dict[str, Any]:

@@ -30,9 +30,6 @@ class Unregistered:
     kind: str
     type: str
 
-    def describe(self) -> str:
-        return f"{self.name} ({self.type}, {self.kind})"
-
     def to_dict(self) -> dict[str, str]:
         return {"name": self.name, "kind": self.kind, "type": self.type}
 

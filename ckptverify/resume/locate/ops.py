@@ -91,8 +91,6 @@ class Receiver:
     step: int
     op: str
     via: Via
-    phase: str = ""
-    module: str = ""
     occurrence: int = 0
     seen: bool = True
 
@@ -241,12 +239,13 @@ class Located:
                     f"nondeterministic within {which}, whether or not the pairs of the two sides happened to differ "
                     f"there")
         if self.arguments:
+            one = len(self.arguments) == 1
             named = ", ".join(f"{x['name']}: {x['a']} vs {x['b']}" if x["a"] is not None and x["b"] is not None
                               else f"{x['name']} differs" for x in self.arguments)
             return (f"The divergence at step {self.step} is born on {who} at {o.op} {named} "
                     f"({_where(o.occurrence, o.phase, o.module)}): its tensor "
-                    f"inputs are equal and {_plural(len(self.arguments), 'argument')} other than a tensor "
-                    f"{'differs' if len(self.arguments) == 1 else 'differ'} ({count})")
+                    f"inputs are equal and {'one argument' if one else f'{len(self.arguments)} arguments'} other than "
+                    f"a tensor {'differs' if one else 'differ'} ({count})")
         if self.rewired:
             return f"The divergence at step {self.step} is born on {who}: {site} reads other values than on " \
                    f"the other side, each a value both sides had (it is called on another tensor: the call or " \
@@ -331,10 +330,6 @@ def _where(occurrence: int | None, phase: str | None, module: str | None) -> str
     return f"occurrence {occurrence}, {phase}{f' in {module}' if module else ''}"
 
 
-def _plural(n: int, word: str) -> str:
-    return f"one {word}" if n == 1 else f"{n} {word}s"
-
-
 def _record(o: Origin) -> str:
     parts = [f"step {o.step}"] + [str(x) for x in (o.phase, o.module, o.op) if x]
     if o.occurrence is not None and o.op:
@@ -371,15 +366,11 @@ def _own_difference(a: OpEvent, b: OpEvent) -> tuple[dict[str, Any] | None, tupl
     """``(first differing output, arguments that count)`` of two events with equal inputs; ``None``: equal."""
     output = _output_difference(a, b)
     arguments = _argument_difference(a, b)
-    # An argument that changes nothing is no difference; one whose effect was not compared is.
-    if arguments and output is None and _compared(a) and _compared(b):
+    # An argument that changes nothing is no difference; one whose effect was not compared (no output
+    # fingerprinted: an artifact's is not) is.
+    if arguments and output is None and all(any(x is not None for x in e.outputs) for e in (a, b)):
         arguments = ()
     return (output, arguments) if output is not None or arguments else None
-
-
-def _compared(e: OpEvent) -> bool:
-    """Whether any output of ``e`` was fingerprinted (an artifact's is not)."""
-    return any(x is not None for x in e.outputs)
 
 
 def _output_difference(a: OpEvent, b: OpEvent) -> dict[str, Any] | None:
@@ -673,8 +664,8 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
         e = chosen.first.event
         if chosen.kind == "receiver":
             assert chosen.via is not None
-            receivers.append(Receiver(rank=r, step=e.step, op=e.op, via=chosen.via, phase=e.phase, module=e.module,
-                                      occurrence=e.occurrence, seen=chosen.seen))
+            receivers.append(Receiver(rank=r, step=e.step, op=e.op, via=chosen.via, occurrence=e.occurrence,
+                                      seen=chosen.seen))
             continue
         # Also count pairs where the op differed without being the rank's first difference.
         count = sum(1 for src, verdicts, logs_of in compared if src == source
