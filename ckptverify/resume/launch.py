@@ -34,14 +34,6 @@ from ckptverify.resume.run import Run, RunConfig, _group_backend, harness_job, r
 __all__ = ["launch_each", "launch_jobs", "launches_at_once", "log_files", "scratch", "start_method", "workload_logs"]
 
 
-def _unused_port() -> int:
-    """A free port, only for the ``MASTER_PORT`` a torchrun-style workload may read; the ranks meet through a file
-    store (no bind-and-release race between parallel launches)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 #: Silence only torchdata's ``set_vital`` deprecation (a line per rank per run, nobody's fault).
 def _quiet_known_noise() -> None:
     import warnings
@@ -280,8 +272,13 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
     for target in dict.fromkeys(t for t, _ in jobs):
         check_target(target)
     jobs = [(t, dataclasses.replace(c, device=device, log_dir=c.log_dir or _log_dir)) for t, c in jobs]
+    # A free port, only for the MASTER_PORT a torchrun-style workload may read: the ranks meet through a file store
+    # (no bind-and-release race between parallel launches).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
     with tempfile.TemporaryDirectory(prefix="ckptverify-rendezvous-") as rendezvous:
-        args = (nproc, os.path.join(rendezvous, "store"), _unused_port(), jobs, device, dict(os.environ))
+        args = (nproc, os.path.join(rendezvous, "store"), port, jobs, device, dict(os.environ))
         try:
             _join_within(mp.start_processes(_worker, args=args, nprocs=nproc, join=False,
                                             start_method=start_method()), timeout_s, jobs)

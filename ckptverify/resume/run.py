@@ -332,20 +332,17 @@ class Run:
         traced = self._traced(self._step)
         if self._recorder is not None:
             if traced:
+                # ``[epoch, indices]`` of the last batch the tracked ``ResumableSampler`` handed out.
+                last = self._sampler.last_batch() if self._sampler is not None else None
                 self._recorder.record_step(self._step, metrics=values, batch=batch,
                                            state=self.state if self.config.level != "metrics" else None,
-                                           batch_indices=self._batch_indices())
+                                           batch_indices=None if last is None else [last[0], last[1]])
             else:
                 self._recorder.skip_step()
         if self._production is not None:
             self._production.stepped(self._step, traced=traced)
         if self._step in self.config.save_at:
             self._save()
-
-    def _batch_indices(self) -> list[Any] | None:
-        """``[epoch, indices]`` of the last batch the tracked ``ResumableSampler`` handed out; ``None`` without one."""
-        last = self._sampler.last_batch() if self._sampler is not None else None
-        return None if last is None else [last[0], last[1]]
 
     def _traced(self, step: int) -> bool:
         return step % self.config.trace_every == 0

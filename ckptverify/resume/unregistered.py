@@ -84,7 +84,8 @@ def _registered(state: Any) -> tuple[set[int], list[Any]]:
     loader = state.dataloader
     if loader is not None:
         dataset = getattr(loader, "dataset", None)
-        if dataset is not None and _saves_dataset(loader):
+        if dataset is not None and any(c.__name__ == "StatefulDataLoader" and c.__module__.startswith("torchdata.")
+                                       for c in type(loader).__mro__):
             # StatefulDataLoader saves its dataset's state (per worker, where the moving copy lives).
             ids.add(id(dataset))
         for attr in ("sampler", "batch_sampler", "generator"):
@@ -95,12 +96,6 @@ def _registered(state: Any) -> tuple[set[int], list[Any]]:
                 if inner is not None:
                     ids.add(id(inner))
     return ids, modules
-
-
-def _saves_dataset(loader: Any) -> bool:
-    """Whether ``loader`` saves its dataset's state with its own (torchdata's StatefulDataLoader)."""
-    return any(c.__name__ == "StatefulDataLoader" and c.__module__.startswith("torchdata.")
-               for c in type(loader).__mro__)
 
 
 def _wraps_registered(obj: Any, modules: list[Any]) -> bool:
@@ -241,14 +236,6 @@ def _covered_storages(state: Any) -> set[tuple[str, int | None, int]]:
     return keys  # type: ignore[return-value]
 
 
-def _tensor_value(t: Any) -> str:
-    """A tensor as ``dtype[shape]:fingerprint`` (a ``DTensor``: its local shard, so no rank waits)."""
-    from ckptverify.fingerprint import tensor_fingerprint
-
-    fp = tensor_fingerprint(local_view(t).detach())
-    return f"{fp.dtype}{list(fp.shape)}:{fp.value}"
-
-
 def _plain(obj: Any) -> bool:
     """Whether ``obj`` is a plain object of the job whose attributes may hold state, not library internals."""
     from torch.utils.data import Dataset
@@ -273,6 +260,8 @@ def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
     "truncated", "skipped"}``."""
     import torch
 
+    from ckptverify.fingerprint import tensor_fingerprint
+
     ids, _ = _registered(state)
     covered = _covered_storages(state)
     entries: dict[str, dict[str, str]] = {}
@@ -291,7 +280,9 @@ def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
         if _storage_key(t) in covered:
             return  # registered state under another name
         try:
-            put(path, var, _tensor_value(t))
+            # A DTensor's local shard, so no rank waits.
+            fp = tensor_fingerprint(local_view(t).detach())
+            put(path, var, f"{fp.dtype}{list(fp.shape)}:{fp.value}")
         except Exception:
             skipped.append(path)
 

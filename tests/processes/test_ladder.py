@@ -141,9 +141,9 @@ def test_final_state_or_held_verdicts_are_not_walked(tmp_path: Path, monkeypatch
 def test_a_production_difference_is_not_walked_and_says_what_would_tell(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("ckptverify.resume.launch.launch_jobs", _no_launch)
-    walked = for_replay("hardware-fault-suspected", step=5, rank=None, site="param.w", target=f"{SCRIPT}:train",
-                        start_path=str(tmp_path), total_steps=8, world=2, device="cpu", repeats=2,
-                        workdir=str(tmp_path))
+    verdict = SimpleNamespace(kind="hardware-fault-suspected", step=5, rank=None, site="param.w")
+    walked = for_replay(verdict, Side(name="R1", target=f"{SCRIPT}:train", resume_from=str(tmp_path), total_steps=8),
+                        world=2, device="cpu", repeats=2, workdir=str(tmp_path))
     assert walked.status == "skipped" and walked.origin is None and "op window" in walked.sentence
 
 
