@@ -174,12 +174,14 @@ def test_walk_sides_start_where_the_state_is_proved_equal(tmp_path: Path, monkey
     monkeypatch.setattr("ckptverify.resume.launch.launch_jobs", record)
     configs = {"A": SimpleNamespace(checkpoint_dir=str(tmp_path / "ckpt"))}
     nd = SimpleNamespace(kind="nondeterministic", step=3, rank=0, site="x", category="metric")
+    ckpt = str(tmp_path / "ckpt" / "step_2")
     for_resume(_plan(), nd, SimpleNamespace(nondeterminism=None), configs, str(tmp_path / "w1"))
-    assert launched == [("A-0", str(tmp_path / "ckpt" / "step_2"), 3)]
+    # One at a time, each launch still runs after another failed.
+    assert launched == [(f"{side}-{r}", ckpt, 3) for r in (0, 1) for side in ("A", "A2")]
     launched.clear()
     hidden = SimpleNamespace(kind="hidden-state", step=3, rank=0, site="x", category="parameters")
     for_resume(_plan(), hidden, SimpleNamespace(nondeterminism=None), configs, str(tmp_path / "w2"))
-    assert launched == [("A-0", None, 3)]
+    assert launched == [(f"{side}-{r}", start, 3) for r in (0, 1) for side, start in (("A", None), ("B", ckpt))]
 
 
 def test_the_walk_says_its_runs_and_time_before_it_starts_and_runs_them_side_by_side_where_cores_allow(
