@@ -456,11 +456,6 @@ class _Pair:
                                for events in (self.a, self.b))
         return self._comm[0].get((group, seq)), self._comm[1].get((group, seq))
 
-    def sends_to(self, peer: int) -> list[tuple[OpEvent, OpEvent | None]]:
-        """This rank's sends to ``peer`` in A's order, each with B's event of the same key."""
-        return [(e, self.kb.get(e.key)) for e in self.a
-                if e.comm is not None and e.comm.peer == peer and e.comm.collective not in RECV]
-
     def first(self) -> _First | None:
         """Walks both logs in one execution order (:func:`~ckptverify.trace.compare.merged_order`)."""
         merged = merged_order([e.key for e in self.a], [e.key for e in self.b])
@@ -569,7 +564,9 @@ def _peer_sent_differently(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]
         return None
     mine = [e for e in pairs[rank].a if e.comm is not None and e.comm.peer == comm.peer and e.comm.collective in RECV]
     k = next((i for i, e in enumerate(mine) if e.key == event.key), None)
-    sends = peer.sends_to(rank)
+    # The peer's sends to this rank in A's order, each with B's event of the same key.
+    sends = [(e, peer.kb.get(e.key)) for e in peer.a
+             if e.comm is not None and e.comm.peer == rank and e.comm.collective not in RECV]
     if k is None or k >= len(sends) or sends[k][1] is None:
         return None
     sa, sb = sends[k]

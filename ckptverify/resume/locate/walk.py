@@ -231,18 +231,14 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None]) -> Walked:
         sentence = (f"At level op, the {n} re-run(s) of each side agree at step {s}: the difference does not "
                     f"reproduce when the step is re-run alone ({result.sentence()})")
         return Walked(status="clean", sentence=sentence, step=s, repeats=n, extra=extra, found=found)
-    if origin is None:
-        return Walked(status="located", sentence=result.sentence(), receivers=receivers, step=s, repeats=n,
-                      extra=extra, found=found)
-    kernel = None
-    if origin.get("kind") == "op" and origin.get("op"):
+    sentence, kernel = result.sentence(), None
+    if origin is not None and origin.get("kind") == "op" and origin.get("op"):
         side = request.sides[1] if data.get("one_side") == "b" or data.get("seen_in") == "b" else request.sides[0]
         kernel, kernel_finding = _kernel(request, side, origin, workdir, say, timeout, config)
         if kernel_finding is not None:
             found += (kernel_finding,)
-    sentence = result.sentence()
-    if kernel and kernel.get("sentence"):
-        sentence = f"{sentence} {kernel['sentence']}"
+        if kernel and kernel.get("sentence"):
+            sentence = f"{sentence} {kernel['sentence']}"
     return Walked(status="located", sentence=sentence, origin=origin, receivers=receivers, kernel=kernel,
                   step=s, repeats=n, extra=extra, found=found)
 
