@@ -143,15 +143,6 @@ class _Case:
             site = self.lead.site
         return candidates, rank, own_site, site
 
-    def unregistered(self) -> list[str]:
-        return sorted({u["name"] for n in self.notes.values() for u in (n or {}).get("unregistered") or []})
-
-    def prev_traced(self) -> bool:
-        """The step before ``s`` is a replayed step traced on every rank in both runs."""
-        s = self.s
-        return s - 1 >= self.start + 1 and all(ta.row_index(s - 1) is not None and tb.row_index(s - 1) is not None
-                                               for ta, tb in self.pairs.values())
-
 
 def judge(prod: str, replay: str, *, start: int, end: int, world: int, production_start: int,
           where: Callable[[int], str] = lambda rank: "host unknown",
@@ -285,7 +276,7 @@ def _metrics_level(c: _Case) -> Verdict | None:
 
 
 def _unregistered(c: _Case) -> Verdict | None:
-    unregistered = c.unregistered()
+    unregistered = sorted({u["name"] for n in c.notes.values() for u in (n or {}).get("unregistered") or []})
     missing_optim = any((n or {}).get("missing_optimizer") for n in c.notes.values())
     if not (c.first_replayed and c.ran_on and (unregistered or missing_optim)):
         return None
@@ -299,9 +290,11 @@ def _unregistered(c: _Case) -> Verdict | None:
 
 
 def _untraced_before(c: _Case) -> Verdict | None:
-    if c.first_replayed or c.prev_traced():
-        return None
     s = c.s
+    # Past the first replayed step, the step before it must be traced on every rank in both runs.
+    if c.first_replayed or all(ta.row_index(s - 1) is not None and tb.row_index(s - 1) is not None
+                               for ta, tb in c.pairs.values()):
+        return None
     return _undetermined(c, "first at step", f"with the batch, random streams and hyperparameters of step {s} "
                          f"equal; but step {s - 1} is not traced, so the inputs of the untraced steps before it may "
                          "already have differed. What would tell: trace every step (trace_every=1) and replay "

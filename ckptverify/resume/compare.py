@@ -61,12 +61,11 @@ class StepEvidence:
 @dataclass(frozen=True)
 class HeldComparison:
     """Values held outside the TrainState at the end: ``differ`` (A vs B, per variable and rank),
-    ``nondeterministic`` (those A2 holds differently too), ``a2`` (A2 compared), ``incomplete`` (why not all were)."""
+    ``nondeterministic`` (those A2 holds differently too), ``a2`` (A2 compared)."""
 
     differ: tuple[Mapping[str, Any], ...] = ()
     nondeterministic: tuple[str, ...] = ()
     a2: bool = False
-    incomplete: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -198,10 +197,8 @@ def _held_state(configs: Mapping[str, RunConfig], *, earlier: bool) -> tuple[Hel
     differ = compare_held(held["A"], held["B"])
     a2 = "A2" in configs and bool(held["A2"])
     again = {d["var"] for d in compare_held(held["A"], held["A2"])} if a2 else set()
-    incomplete = _held_gaps(held)
     nondeterministic = tuple(sorted(again & {d["var"] for d in differ}))
-    comparison = HeldComparison(differ=tuple(differ), nondeterministic=nondeterministic, a2=a2,
-                                incomplete=tuple(incomplete))
+    comparison = HeldComparison(differ=tuple(differ), nondeterministic=nondeterministic, a2=a2)
     out: list[Finding] = []
     for d in differ:
         text = (f"[end of A vs B] {d['var']} differs at the end of the run (rank {d['rank']}, first at "
@@ -209,6 +206,7 @@ def _held_state(configs: Mapping[str, RunConfig], *, earlier: bool) -> tuple[Hel
         where = Location(fqn=d["path"], rank=d["rank"])
         out.append(info("held-state", text + " (it may follow from the divergence above)", location=where,
                         actual=d) if earlier else error("held-state", text, location=where, actual=d))
+    incomplete = _held_gaps(held)
     if incomplete:
         out.append(warning("held-state-incomplete", "the values held outside the TrainState were not all "
                            "compared: " + "; ".join(incomplete)))

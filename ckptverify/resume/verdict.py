@@ -195,8 +195,8 @@ def _resumed(c: _Case) -> Verdict | None:
     div = c.evidence.resume
     if div is None:
         return None
-    return replace(causes.first_verdict(PARTED, _Parted.of(c, div)),
-                   receivers=receiver_entries(div))
+    parted = _Parted(c.plan, c.evidence, div, c.evidence.step or StepEvidence(step=div.step, rank=div.rank))
+    return replace(causes.first_verdict(PARTED, parted), receivers=receiver_entries(div))
 
 
 def _final(c: _Case) -> Verdict | None:
@@ -234,10 +234,6 @@ class _Parted(_Case):
 
     div: FirstDivergence
     ev: StepEvidence
-
-    @classmethod
-    def of(cls, c: _Case, div: FirstDivergence) -> _Parted:
-        return cls(c.plan, c.evidence, div, c.evidence.step or StepEvidence(step=div.step, rank=div.rank))
 
     @property
     def site(self) -> str:

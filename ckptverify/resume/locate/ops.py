@@ -430,7 +430,6 @@ class _First:
 
     what: str  # "one-sided", "outputs" (inputs equal), "arguments" (tensors equal, other arguments not), "inputs"
     event: OpEvent  # side A's event (side B's when the op ran on B only)
-    other: OpEvent | None
     side: str | None = None  # for one-sided: the side it ran on
     output: dict[str, Any] | None = None
     arguments: tuple[dict[str, Any], ...] = ()  # for "arguments": those that differ
@@ -465,7 +464,7 @@ class _Pair:
                 continue
             last_equal = self.ka[merged[n - 1]] if n > 0 else None
             if ea is None or eb is None:
-                return _First("one-sided", ea or self.kb[key], None, side="a" if eb is None else "b",
+                return _First("one-sided", ea or self.kb[key], side="a" if eb is None else "b",
                               last_equal=last_equal)
             if _inputs_differ(ea, eb):
                 produced, seen = self._values_before(merged, n)
@@ -473,11 +472,11 @@ class _Pair:
                 # Each side read a value both sides had: a changed call, not an outside change.
                 rewired = len(ea.inputs) != len(eb.inputs) or all(x in seen and y in seen for x, y in pairs)
                 made = any(x in produced or y in produced for x, y in pairs)
-                return _First("inputs", ea, eb, last_equal=last_equal, produced_in_step=made, rewired=rewired)
+                return _First("inputs", ea, last_equal=last_equal, produced_in_step=made, rewired=rewired)
             own = _own_difference(ea, eb)
             if own is not None:
                 output, arguments = own
-                return _First("arguments" if arguments else "outputs", ea, eb, output=output, arguments=arguments,
+                return _First("arguments" if arguments else "outputs", ea, output=output, arguments=arguments,
                               last_equal=last_equal)
         return None
 
