@@ -99,7 +99,14 @@ def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, 
         bound = {"device_id": torch.device("cuda", rank)} if device == "cuda" else {}
         dist.init_process_group(_group_backend(device, torch.cuda.is_available()), init_method=f"file://{store}",
                                 rank=rank, world_size=nproc, **bound)
-        _tolerate_init(dist)
+        # The workload's own init_process_group is a no-op while this group exists (torchrun scripts call it
+        # unconditionally). Each rank process runs one _worker, so it is wrapped once.
+        harness_init = dist.init_process_group
+
+        def init_process_group(*args: Any, **kwargs: Any) -> None:
+            return None if dist.is_initialized() else harness_init(*args, **kwargs)
+
+        dist.init_process_group = init_process_group
     try:
         for target, config in jobs:
             _run_job(rank, nproc, target, config)
@@ -201,22 +208,6 @@ def _from_save(exc: BaseException) -> bool:
     """Whether ``exc`` was raised by ``Run._save`` (a checkpoint the harness asked for)."""
     frames = traceback.extract_tb(exc.__traceback__)
     return bool(frames) and frames[-1].name == "_save" and os.path.basename(frames[-1].filename) == "run.py"
-
-
-def _tolerate_init(dist: Any) -> None:
-    """Make the workload's own ``init_process_group`` a no-op while the harness's group exists (torchrun scripts call
-    it unconditionally)."""
-    original = dist.init_process_group
-    if getattr(original, "_ckptverify_tolerant", False):
-        return
-
-    def init_process_group(*args: Any, **kwargs: Any) -> None:
-        if dist.is_initialized():
-            return None
-        return original(*args, **kwargs)
-
-    init_process_group._ckptverify_tolerant = True  # type: ignore[attr-defined]
-    dist.init_process_group = init_process_group
 
 
 #: Set by :func:`workload_logs` (None: the terminal).
