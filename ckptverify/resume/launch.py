@@ -338,19 +338,14 @@ def launch_each(nproc: int, device: str, runs: Sequence[tuple[str, list[tuple[st
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    longest = 0.0
-
-    def one(run: tuple[str, list[tuple[str, RunConfig]]]) -> None:
-        nonlocal longest
+    def one(run: tuple[str, list[tuple[str, RunConfig]]]) -> float:
         message, jobs = run
         say(message)
         began = time.perf_counter()
         launch_jobs(nproc, device, jobs, timeout_s=timeout_s)
-        longest = max(longest, time.perf_counter() - began)
+        return time.perf_counter() - began
 
     # One at a time on CUDA, each still run to its end.
     with ThreadPoolExecutor(launches_at_once(nproc, device), thread_name_prefix="ckptverify-launch") as pool:
         futures = [pool.submit(one, run) for run in runs]
-    for future in futures:
-        future.result()
-    return longest
+    return max((future.result() for future in futures), default=0.0)
