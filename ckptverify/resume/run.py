@@ -232,7 +232,7 @@ class Run:
         if self.config.trace_dir:
             from ckptverify.resume.unregistered import find_unregistered, missing_optimizer
 
-            notes["unregistered"] = [u.to_dict() for u in find_unregistered(caller.f_locals, state)]
+            notes["unregistered"] = find_unregistered(caller.f_locals, state)
             if self._production is None:
                 # A frame keeps its locals after return: read at close (`_write_held`).
                 self._held_frame = caller

@@ -13,25 +13,12 @@ import dataclasses
 import sys
 import types
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from ckptverify.trace.sites import local_view
 
-__all__ = ["Unregistered", "compare_held", "find_unregistered", "held_state", "missing_optimizer",
+__all__ = ["compare_held", "find_unregistered", "held_state", "missing_optimizer",
            "registered_bindings", "replaced_objects"]
-
-
-@dataclass(frozen=True, slots=True)
-class Unregistered:
-    """One stateful object the ``TrainState`` does not hold: the variable that names it and what it is."""
-
-    name: str
-    kind: str
-    type: str
-
-    def to_dict(self) -> dict[str, str]:
-        return {"name": self.name, "kind": self.kind, "type": self.type}
 
 
 def _kind(obj: Any) -> str | None:
@@ -115,11 +102,12 @@ def _container_attrs(obj: Any) -> Mapping[str, Any]:
     return {}
 
 
-def find_unregistered(local_vars: Mapping[str, Any], state: Any) -> list[Unregistered]:
-    """Stateful objects among ``local_vars`` (and in containers among them) that ``state`` does not hold."""
+def find_unregistered(local_vars: Mapping[str, Any], state: Any) -> list[dict[str, str]]:
+    """Stateful objects among ``local_vars`` (and in containers among them) that ``state`` does not hold, as
+    ``{"name", "kind", "type"}``: the variable that names each and what it is."""
     ids, modules = _registered(state)
     seen: set[int] = set()
-    out: list[Unregistered] = []
+    out: list[dict[str, str]] = []
 
     def visit(name: str, obj: Any) -> None:
         if obj is None or id(obj) in ids or id(obj) in seen:
@@ -132,7 +120,7 @@ def find_unregistered(local_vars: Mapping[str, Any], state: Any) -> list[Unregis
         if type(obj).__name__ in ("Run", "TrainState"):
             return
         seen.add(id(obj))
-        out.append(Unregistered(name, kind, type(obj).__name__))
+        out.append({"name": name, "kind": kind, "type": type(obj).__name__})
 
     for name, obj in local_vars.items():
         if name.startswith("__") or name == "_":
