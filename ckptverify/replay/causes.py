@@ -143,15 +143,6 @@ class _Case:
             site = self.lead.site
         return candidates, rank, own_site, site
 
-    def unregistered(self) -> list[str]:
-        return sorted({u["name"] for n in self.notes.values() for u in (n or {}).get("unregistered") or []})
-
-    def prev_traced(self) -> bool:
-        """The step before ``s`` is a replayed step traced on every rank in both runs."""
-        s = self.s
-        return s - 1 >= self.start + 1 and all(ta.row_index(s - 1) is not None and tb.row_index(s - 1) is not None
-                                               for ta, tb in self.pairs.values())
-
 
 def judge(prod: str, replay: str, *, start: int, end: int, world: int, production_start: int,
           where: Callable[[int], str] = lambda rank: "host unknown",
@@ -267,20 +258,25 @@ def _first_rank(c: _Case, differs: Callable[[StepEvidence], bool]) -> tuple[int,
 # ---------------------------------------------------------------------------- inputs equal: a computed value
 
 
+def _undetermined(c: _Case, at: str, why: str) -> Verdict:
+    """``undetermined`` for a computed value that differs at step ``s`` (``at``: how the sentence leads to it):
+    ``why`` its inputs are not all known equal, and what would tell."""
+    candidates, _, _, site = c.origin
+    return Verdict("undetermined", f"production differs from two agreeing replays {at} {c.s} "
+                   f"({ranks_text(candidates)}), site {site}, {why}", step=c.s, site=site, candidate_ranks=candidates)
+
+
 def _metrics_level(c: _Case) -> Verdict | None:
     if c.level != "metrics":
         return None
-    candidates, _, _, site = c.origin
-    return Verdict("undetermined", f"production differs from two agreeing replays first at step {c.s} "
-                   f"({ranks_text(candidates)}), site {site}, but the trace is at level metrics: it records no "
-                   "input of a step (batch, random streams, hyperparameters), so a data pipeline or restore "
-                   "that does not reproduce production cannot be told from a fault. What would tell: trace "
-                   "at level state (cv.Run.main(..., trace=\"state\")) and replay again.",
-                   step=c.s, rank=None, site=site, candidate_ranks=candidates)
+    return _undetermined(c, "first at step", "but the trace is at level metrics: it records no input of a step "
+                         "(batch, random streams, hyperparameters), so a data pipeline or restore that does not "
+                         "reproduce production cannot be told from a fault. What would tell: trace at level state "
+                         "(cv.Run.main(..., trace=\"state\")) and replay again.")
 
 
 def _unregistered(c: _Case) -> Verdict | None:
-    unregistered = c.unregistered()
+    unregistered = sorted({u["name"] for n in c.notes.values() for u in (n or {}).get("unregistered") or []})
     missing_optim = any((n or {}).get("missing_optimizer") for n in c.notes.values())
     if not (c.first_replayed and c.ran_on and (unregistered or missing_optim)):
         return None
@@ -294,28 +290,25 @@ def _unregistered(c: _Case) -> Verdict | None:
 
 
 def _untraced_before(c: _Case) -> Verdict | None:
-    if c.first_replayed or c.prev_traced():
-        return None
-    candidates, _, _, site = c.origin
     s = c.s
-    return Verdict("undetermined", f"production differs from two agreeing replays first at step {s} "
-                   f"({ranks_text(candidates)}), site {site}, with the batch, random streams and hyperparameters "
-                   f"of step {s} equal; but step {s - 1} is not traced, so the inputs of the untraced steps "
-                   f"before it may already have differed. What would tell: trace every step (trace_every=1) "
-                   "and replay again.", step=s, site=site, candidate_ranks=candidates)
+    # Past the first replayed step, the step before it must be traced on every rank in both runs.
+    if c.first_replayed or all(ta.row_index(s - 1) is not None and tb.row_index(s - 1) is not None
+                               for ta, tb in c.pairs.values()):
+        return None
+    return _undetermined(c, "first at step", f"with the batch, random streams and hyperparameters of step {s} "
+                         f"equal; but step {s - 1} is not traced, so the inputs of the untraced steps before it may "
+                         "already have differed. What would tell: trace every step (trace_every=1) and replay "
+                         "again.")
 
 
 def _ran_on_from_memory(c: _Case) -> Verdict | None:
     if not (c.first_replayed and c.ran_on):
         return None
-    candidates, _, _, site = c.origin
-    return Verdict("undetermined", f"production differs from two agreeing replays at the first replayed step "
-                   f"{c.s} ({ranks_text(candidates)}), site {site}, with the batch, random streams and "
-                   "hyperparameters equal and the restore exact; but production ran on from memory past its "
-                   f"checkpoint of step {c.start}, so state that no checkpoint holds (a global counter, a cache) "
-                   "would look the same as a fault. What would tell: `ckptverify resume-check` on the job (a "
-                   "resume-exact job rules that out), or a replay from an earlier checkpoint (--from).",
-                   step=c.s, site=site, candidate_ranks=candidates)
+    return _undetermined(c, "at the first replayed step", "with the batch, random streams and hyperparameters "
+                         "equal and the restore exact; but production ran on from memory past its checkpoint of "
+                         f"step {c.start}, so state that no checkpoint holds (a global counter, a cache) would look "
+                         "the same as a fault. What would tell: `ckptverify resume-check` on the job (a "
+                         "resume-exact job rules that out), or a replay from an earlier checkpoint (--from).")
 
 
 def _one_rank(c: _Case) -> Verdict | None:

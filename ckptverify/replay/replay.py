@@ -209,7 +209,9 @@ def comparable(segment: str, *, level: str, workload: str, world: int, device: s
         raise UsageError(f"production's trace in {segment} and this replay's would describe different runs "
                          f"({detail}), so no step could be compared bitwise and nothing was started. Replay with "
                          "the versions production ran with installed.")
-    want = replay_encoding(device)
+    # What a replay on ``device`` records (its ranks inherit this environment).
+    want = "device" if not device.startswith("cpu") else (
+        "host-as-device" if os.environ.get("CKPTVERIFY_TRACE_HOST_AS_DEVICE") == "1" else "host")
     if prod.digest_encoding not in ("unknown", want):
         raise UsageError(f"production's trace in {segment} has digest_encoding {prod.digest_encoding!r} "
                          f"({DIGEST_ENCODINGS[prod.digest_encoding]}), but a replay on --device {device} records "
@@ -220,13 +222,6 @@ def comparable(segment: str, *, level: str, workload: str, world: int, device: s
 
 _REPLAY_AS = {"host": "--device cpu", "device": "--device cuda",
               "host-as-device": "--device cpu with CKPTVERIFY_TRACE_HOST_AS_DEVICE=1"}
-
-
-def replay_encoding(device: str) -> str:
-    """The ``digest_encoding`` a replay on ``device`` records (ranks inherit this environment)."""
-    if not device.startswith("cpu"):
-        return "device"
-    return "host-as-device" if os.environ.get("CKPTVERIFY_TRACE_HOST_AS_DEVICE") == "1" else "host"
 
 
 def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start: int | None = None,
@@ -244,7 +239,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     from ckptverify.replay.causes import judge
     from ckptverify.resume.harness_target import check_target
     from ckptverify.resume.launch import launch_each, scratch
-    from ckptverify.resume.locate.walk import for_replay
+    from ckptverify.resume.locate.walk import Side, for_replay
     from ckptverify.resume.run import RunConfig, checkpoint_path, rank_files
     from ckptverify.resume.verdict import Verdict
     from ckptverify.trace.compare import comparison_findings, rank_comparisons
@@ -271,10 +266,9 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
         # A checkpoint-corrupt verdict comes before the runs' folder exists.
         if locate and verdict.kind not in ("reproduced", "checkpoint-corrupt"):
             say(f"locate: walking down from the verdict {verdict.kind}")
-            located = for_replay(verdict.kind, step=verdict.step, rank=verdict.rank, site=verdict.site,
-                                 target=workload, start_path=ckpts.start_path, total_steps=total, world=world,
-                                 device=device, repeats=locate_repeats, workdir=os.path.join(work, "locate"),
-                                 progress=say, timeout_s=10 * replayed_for + 60)
+            replayed = Side(name="R1", target=workload, resume_from=ckpts.start_path, total_steps=total)
+            located = for_replay(verdict, replayed, world=world, device=device, repeats=locate_repeats,
+                                 workdir=os.path.join(work, "locate"), progress=say, timeout_s=10 * replayed_for + 60)
             findings.extend(located.findings())
             verdict = replace(verdict, located=located)
         stats.update(verdict={**verdict.to_dict(), "host": host}, seconds=round(time.perf_counter() - began, 3))

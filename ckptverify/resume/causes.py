@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from ckptverify.resume.compare import SiteDiff
 
 __all__ = ["REGISTER_LOADER", "REPLAY", "RESTORE_ADVICE", "RESUME", "UNREGISTERED_ADVICE", "At", "Runs",
-           "buffer_cause", "first_verdict", "hparam_start_cause", "on_ranks", "ranks_text", "rng_cause", "show",
-           "step_hparam_cause", "step_hparam_what", "values_in"]
+           "buffer_cause", "first_verdict", "hparam_start_cause", "ranks_text", "rng_cause", "step_hparam_cause",
+           "step_hparam_what"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ REPLAY = Runs(saved="production", restored="the replay", checkpoint="production'
 @dataclass(frozen=True)
 class At:
     """The step a cause is said of: the ``runs``' naming, the ``step``, the step ``saved_at`` whose checkpoint the
-    second run restored, and where, in words (:func:`on_ranks`)."""
+    second run restored, and where: a rank, or several in words."""
 
     runs: Runs
     step: int
@@ -75,15 +75,12 @@ def first_verdict(rules: Sequence[Callable[[C], V | None]], case: C) -> V:
     raise AssertionError(f"no rule applies to {type(case).__name__}: the last rule of a table always applies")
 
 
-def show(value: Any) -> str:
-    """A recorded value, short: a digest cut to 12 characters, a number as it is."""
-    if isinstance(value, str) and len(value) > 12:
-        return value[:12] + "…"
-    return repr(value)
+def _values_in(runs: Runs, a: Any, b: Any) -> str:
+    """``a`` in the first run, ``b`` in the second (``a`` ``None``: only the category cell recorded), each short: a
+    digest cut to 12 characters, a number as it is."""
+    def show(value: Any) -> str:
+        return value[:12] + "…" if isinstance(value, str) and len(value) > 12 else repr(value)
 
-
-def values_in(runs: Runs, a: Any, b: Any) -> str:
-    """``a`` in the first run, ``b`` in the second (``a`` ``None``: only the category cell recorded)."""
     if a is None:
         return f"{show(b)} in {runs.restored}, another value in {runs.saved}"
     return f"{show(a)} in {runs.saved}, {show(b)} in {runs.restored}"
@@ -113,7 +110,7 @@ def rng_cause(at: At, rng: Sequence[SiteDiff]) -> tuple[str, str]:
     else:
         cause, advice = ("the stream was not restored from the checkpoint",
                          "register every generator the job draws from in TrainState(generators=...)")
-    where = ", ".join(x for x in (f"step {step}", on_ranks(at.rank)) if x)
+    where = ", ".join(x for x in (f"step {step}", _on_ranks(at.rank)) if x)
     return (f"random stream {names} differs{runs.between} when {at.when} begins ({where}): {cause}; the batch and "
             "values computed from it differ as a consequence", advice)
 
@@ -124,7 +121,7 @@ def ranks_text(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def on_ranks(rank: int | str | None) -> str:
+def _on_ranks(rank: int | str | None) -> str:
     """Where, in a sentence: ``rank 1``, a given description of several, or nothing."""
     if rank is None:
         return ""
@@ -137,7 +134,7 @@ def hparam_start_cause(at: At, h: SiteDiff) -> tuple[str, str, str, str]:
     runs, step = at.runs, at.step
     group, _, key = h.name.partition(".")
     name = f"param_groups[{group}].{key}"
-    values = values_in(runs, h.a, h.b)
+    values = _values_in(runs, h.a, h.b)
     if at.first and h.b_moved:
         return ("changed-after-restore",
                 f"{name} was restored exactly from {runs.checkpoint}, then changed after run.restore() in "
@@ -160,7 +157,7 @@ def step_hparam_what(at: At, hparams: Sequence[SiteDiff]) -> tuple[str, str]:
     h = next((x for x in hparams if x.name.endswith(".lr")), hparams[0])
     group, _, key = h.name.partition(".")
     return (f"the {key} the optimizer used at step {at.step} differs (param group {group}: "
-            f"{values_in(at.runs, h.a, h.b)}) although the step started from equal state",
+            f"{_values_in(at.runs, h.a, h.b)}) although the step started from equal state",
             f"optim.param_groups[{group}].{key}")
 
 
@@ -178,7 +175,7 @@ def step_hparam_cause(unsaved: list[str]) -> tuple[str, str]:
 def buffer_cause(at: At, site: str) -> tuple[str, str]:
     """A ``persistent=False`` buffer (``site``: ``buffer.<name>``) differs: the sentence and the advice."""
     runs, name = at.runs, site.removeprefix("buffer.")
-    where = f" ({on_ranks(at.rank)})" if at.rank is not None else ""
+    where = f" ({_on_ranks(at.rank)})" if at.rank is not None else ""
     return (f"buffer {name} differs at {at.when}{where}; it is registered with persistent=False, so no "
             f"checkpoint holds it, and {runs.restored} starts it afresh while {runs.saved} carried it on",
             f"register {name} as a persistent buffer, or recompute it from saved state")

@@ -61,12 +61,11 @@ class StepEvidence:
 @dataclass(frozen=True)
 class HeldComparison:
     """Values held outside the TrainState at the end: ``differ`` (A vs B, per variable and rank),
-    ``nondeterministic`` (those A2 holds differently too), ``a2`` (A2 compared), ``incomplete`` (why not all were)."""
+    ``nondeterministic`` (those A2 holds differently too), ``a2`` (A2 compared)."""
 
     differ: tuple[Mapping[str, Any], ...] = ()
     nondeterministic: tuple[str, ...] = ()
     a2: bool = False
-    incomplete: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,11 +91,6 @@ class Evidence:
     final: tuple[Finding, ...] = ()
     held: HeldComparison | None = field(default=None)
 
-    @property
-    def earlier_failure(self) -> bool:
-        """Whether a comparison before the held values already failed."""
-        return bool(self.restore or self.nondeterminism or self.resume or self.final)
-
 
 def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, verbose: bool = False
             ) -> tuple[list[Finding], Evidence]:
@@ -111,7 +105,11 @@ def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, ver
     found: dict[str, Any] = {"unsaved_schedulers": tuple(notes_a.get(0, {}).get("unsaved_schedulers", [])),
                              "unregistered": tuple(_unregistered(notes_a)),
                              "missing_optimizer": notes_a.get(0, {}).get("missing_optimizer")}
-    findings.extend(_forgotten_findings(found["unregistered"], found["missing_optimizer"]))
+    findings.extend(warning("unregistered-state", f"{u['name']} ({u['type']}: {u['kind']}) is not in the TrainState: "
+                            "a resume does not save or restore it", location=Location(fqn=u["name"]), actual=dict(u))
+                    for u in found["unregistered"])
+    if found["missing_optimizer"]:
+        findings.append(warning("no-optimizer", found["missing_optimizer"]))
     replaced = [{**r, "run": name, "rank": rank} for name, by_rank in notes.items()
                 for rank, n in sorted(by_rank.items()) for r in n.get("replaced", []) or []]
     found["replaced"] = tuple(replaced)
@@ -158,7 +156,8 @@ def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, ver
             findings.extend(_tag(f"{name} recompute", recompute_findings(config.trace_dir)))
     evidence = Evidence(**found)
     if "B" in configs:
-        held, held_findings = _held_state(configs, earlier=evidence.earlier_failure)
+        earlier = bool(evidence.restore or evidence.nondeterminism or evidence.resume or evidence.final)
+        held, held_findings = _held_state(configs, earlier=earlier)
         findings.extend(held_findings)
         evidence = replace(evidence, held=held)
     return findings, evidence
@@ -198,10 +197,8 @@ def _held_state(configs: Mapping[str, RunConfig], *, earlier: bool) -> tuple[Hel
     differ = compare_held(held["A"], held["B"])
     a2 = "A2" in configs and bool(held["A2"])
     again = {d["var"] for d in compare_held(held["A"], held["A2"])} if a2 else set()
-    incomplete = _held_gaps(held)
     nondeterministic = tuple(sorted(again & {d["var"] for d in differ}))
-    comparison = HeldComparison(differ=tuple(differ), nondeterministic=nondeterministic, a2=a2,
-                                incomplete=tuple(incomplete))
+    comparison = HeldComparison(differ=tuple(differ), nondeterministic=nondeterministic, a2=a2)
     out: list[Finding] = []
     for d in differ:
         text = (f"[end of A vs B] {d['var']} differs at the end of the run (rank {d['rank']}, first at "
@@ -209,6 +206,7 @@ def _held_state(configs: Mapping[str, RunConfig], *, earlier: bool) -> tuple[Hel
         where = Location(fqn=d["path"], rank=d["rank"])
         out.append(info("held-state", text + " (it may follow from the divergence above)", location=where,
                         actual=d) if earlier else error("held-state", text, location=where, actual=d))
+    incomplete = _held_gaps(held)
     if incomplete:
         out.append(warning("held-state-incomplete", "the values held outside the TrainState were not all "
                            "compared: " + "; ".join(incomplete)))
@@ -231,16 +229,6 @@ def _held_gaps(held: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
                            f"container, {HELD_ENTRIES} values, {HELD_VISITS} objects)")
             if data.get("skipped"):
                 out.append(f"run {name} rank {r} could not fingerprint {', '.join(data['skipped'][:3])}")
-    return out
-
-
-def _forgotten_findings(unregistered: tuple[Mapping[str, str], ...], missing_optimizer: str | None
-                        ) -> list[Finding]:
-    out = [warning("unregistered-state", f"{u['name']} ({u['type']}: {u['kind']}) is not in the TrainState: a "
-                   "resume does not save or restore it", location=Location(fqn=u["name"]), actual=dict(u))
-           for u in unregistered]
-    if missing_optimizer:
-        out.append(warning("no-optimizer", missing_optimizer))
     return out
 
 

@@ -13,7 +13,7 @@ import dataclasses
 import os
 import shutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from ckptverify.errors import UsageError
@@ -62,8 +62,6 @@ class Outcome:
 
     report: Report
     verdict: Verdict
-    workdir: str
-    runs: dict[str, str] = field(default_factory=dict)
     evidence: Evidence | None = None
 
 
@@ -175,6 +173,5 @@ def _outcome(plan: Plan, configs: dict[str, RunConfig], root: str, *, keep: bool
         stats["report_page"] = figures(report_dir, report=report, verdict=verdict,
                                        trace_dirs={n: c.trace_dir or "" for n, c in configs.items()},
                                        steps=range(plan.resume_at + 1, plan.steps + 1))
-    return Outcome(report=report, verdict=verdict, workdir=root, evidence=evidence,
-                   runs={name: os.path.dirname(c.trace_dir or "") for name, c in configs.items()})
+    return Outcome(report=report, verdict=verdict, evidence=evidence)
 

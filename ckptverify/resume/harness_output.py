@@ -56,7 +56,12 @@ def stdout_to_stderr() -> Iterator[None]:
     finally:
         with contextlib.suppress(OSError, ValueError):
             sys.stderr.flush()
-        _flush_c_stdio()  # printf output buffered in C must reach descriptor 1 while it still points at stderr
+        # printf output buffered in C must reach descriptor 1 while it still points at stderr; without a C library
+        # to ask (not POSIX) nothing is buffered there either.
+        with contextlib.suppress(Exception):
+            import ctypes
+
+            ctypes.CDLL(None).fflush(None)
         if saved is not None:
             os.dup2(saved, 1)
             os.close(saved)
@@ -66,13 +71,6 @@ def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing to flush
             stream.flush()
-
-
-def _flush_c_stdio() -> None:
-    import ctypes
-
-    with contextlib.suppress(Exception):  # no C library to ask (not POSIX): nothing buffered there either
-        ctypes.CDLL(None).fflush(None)
 
 
 class LabelledOutput:

@@ -32,8 +32,6 @@ __all__ = ["check_target", "load_target", "never_restored_message", "resolve_tar
 MAIN_NAME = "__mp_main__"
 _CHECK_NAME = "_ckptverify_target_check"
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def split_target(target: str) -> tuple[str, str, bool]:
     """``(where, function name, is_file)`` of ``FILE.py:FUNC`` or ``package.module:FUNC``."""
@@ -321,17 +319,13 @@ def user_traceback(exc: BaseException) -> str:
 
 
 _LIBRARY_DIRS = tuple(os.path.abspath(p) + os.sep for p in {
-    _PACKAGE_DIR, *(sysconfig.get_paths().get(k, "") for k in ("stdlib", "platstdlib", "purelib", "platlib"))} if p)
-
-
-def _user_file(filename: str) -> bool:
-    if filename.startswith("<"):
-        return False
-    return not os.path.abspath(filename).startswith(_LIBRARY_DIRS)
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # this package
+    *(sysconfig.get_paths().get(k, "") for k in ("stdlib", "platstdlib", "purelib", "platlib"))} if p)
 
 
 def usage_text(exc: BaseException) -> str:
     """A usage error raised in the user's code: its message, then the user's own frames leading to it."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _user_file(f.filename)]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith("<") and not os.path.abspath(f.filename).startswith(_LIBRARY_DIRS)]
     where = "".join(traceback.StackSummary.from_list(frames).format()).rstrip("\n")
     return f"{exc}\n{where}" if where else str(exc)

@@ -34,14 +34,6 @@ from ckptverify.resume.run import Run, RunConfig, _group_backend, harness_job, r
 __all__ = ["launch_each", "launch_jobs", "launches_at_once", "log_files", "scratch", "start_method", "workload_logs"]
 
 
-def _unused_port() -> int:
-    """A free port, only for the ``MASTER_PORT`` a torchrun-style workload may read; the ranks meet through a file
-    store (no bind-and-release race between parallel launches)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 #: Silence only torchdata's ``set_vital`` deprecation (a line per rank per run, nobody's fault).
 def _quiet_known_noise() -> None:
     import warnings
@@ -107,7 +99,14 @@ def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, 
         bound = {"device_id": torch.device("cuda", rank)} if device == "cuda" else {}
         dist.init_process_group(_group_backend(device, torch.cuda.is_available()), init_method=f"file://{store}",
                                 rank=rank, world_size=nproc, **bound)
-        _tolerate_init(dist)
+        # The workload's own init_process_group is a no-op while this group exists (torchrun scripts call it
+        # unconditionally). Each rank process runs one _worker, so it is wrapped once.
+        harness_init = dist.init_process_group
+
+        def init_process_group(*args: Any, **kwargs: Any) -> None:
+            return None if dist.is_initialized() else harness_init(*args, **kwargs)
+
+        dist.init_process_group = init_process_group
     try:
         for target, config in jobs:
             _run_job(rank, nproc, target, config)
@@ -211,22 +210,6 @@ def _from_save(exc: BaseException) -> bool:
     return bool(frames) and frames[-1].name == "_save" and os.path.basename(frames[-1].filename) == "run.py"
 
 
-def _tolerate_init(dist: Any) -> None:
-    """Make the workload's own ``init_process_group`` a no-op while the harness's group exists (torchrun scripts call
-    it unconditionally)."""
-    original = dist.init_process_group
-    if getattr(original, "_ckptverify_tolerant", False):
-        return
-
-    def init_process_group(*args: Any, **kwargs: Any) -> None:
-        if dist.is_initialized():
-            return None
-        return original(*args, **kwargs)
-
-    init_process_group._ckptverify_tolerant = True  # type: ignore[attr-defined]
-    dist.init_process_group = init_process_group
-
-
 #: Set by :func:`workload_logs` (None: the terminal).
 _log_dir: str | None = None
 
@@ -280,8 +263,13 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
     for target in dict.fromkeys(t for t, _ in jobs):
         check_target(target)
     jobs = [(t, dataclasses.replace(c, device=device, log_dir=c.log_dir or _log_dir)) for t, c in jobs]
+    # A free port, only for the MASTER_PORT a torchrun-style workload may read: the ranks meet through a file store
+    # (no bind-and-release race between parallel launches).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
     with tempfile.TemporaryDirectory(prefix="ckptverify-rendezvous-") as rendezvous:
-        args = (nproc, os.path.join(rendezvous, "store"), _unused_port(), jobs, device, dict(os.environ))
+        args = (nproc, os.path.join(rendezvous, "store"), port, jobs, device, dict(os.environ))
         try:
             _join_within(mp.start_processes(_worker, args=args, nprocs=nproc, join=False,
                                             start_method=start_method()), timeout_s, jobs)
@@ -348,26 +336,16 @@ def launch_each(nproc: int, device: str, runs: Sequence[tuple[str, list[tuple[st
     it starts), as many side by side as :func:`launches_at_once` allows; after all end, raise the first failed run's
     error. Returns the longest launch's seconds (what bounds a later re-run's time limit)."""
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
-    longest = 0.0
-
-    def one(run: tuple[str, list[tuple[str, RunConfig]]]) -> None:
-        nonlocal longest
+    def one(run: tuple[str, list[tuple[str, RunConfig]]]) -> float:
         message, jobs = run
         say(message)
         began = time.perf_counter()
         launch_jobs(nproc, device, jobs, timeout_s=timeout_s)
-        longest = max(longest, time.perf_counter() - began)
+        return time.perf_counter() - began
 
-    width = launches_at_once(nproc, device)
-    if width <= 1 or len(runs) <= 1:
-        for run in runs:
-            one(run)
-        return longest
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=width, thread_name_prefix="ckptverify-launch") as pool:
+    # One at a time on CUDA, each still run to its end.
+    with ThreadPoolExecutor(launches_at_once(nproc, device), thread_name_prefix="ckptverify-launch") as pool:
         futures = [pool.submit(one, run) for run in runs]
-    for future in futures:
-        future.result()
-    return longest
+    return max((future.result() for future in futures), default=0.0)

@@ -232,7 +232,7 @@ class Run:
         if self.config.trace_dir:
             from ckptverify.resume.unregistered import find_unregistered, missing_optimizer
 
-            notes["unregistered"] = [u.to_dict() for u in find_unregistered(caller.f_locals, state)]
+            notes["unregistered"] = find_unregistered(caller.f_locals, state)
             if self._production is None:
                 # A frame keeps its locals after return: read at close (`_write_held`).
                 self._held_frame = caller
@@ -286,7 +286,6 @@ class Run:
         if loader is None:
             it: Iterator[Any] = itertools.count(self._step + 1)
         else:
-            it = _epochs(loader, own, self.state)
             # Creating the iterator draws a base seed; the uninterrupted run drew it before the checkpoint, so
             # a resumed run must not draw it again.
             resumed = self._restored_from is not None and self.state is not None
@@ -294,8 +293,7 @@ class Run:
                 from ckptverify.state.rng import capture_rng, restore_rng
 
                 before = capture_rng(self.state.rng.generators)
-            marker = next(it, _END)
-            assert marker is _ITER_READY
+            it = _epochs(loader, own, self.state)
             if resumed:
                 restore_rng(before, self.state.rng.generators)
         self._pending = False
@@ -334,20 +332,17 @@ class Run:
         traced = self._traced(self._step)
         if self._recorder is not None:
             if traced:
+                # ``[epoch, indices]`` of the last batch the tracked ``ResumableSampler`` handed out.
+                last = self._sampler.last_batch() if self._sampler is not None else None
                 self._recorder.record_step(self._step, metrics=values, batch=batch,
                                            state=self.state if self.config.level != "metrics" else None,
-                                           batch_indices=self._batch_indices())
+                                           batch_indices=None if last is None else [last[0], last[1]])
             else:
                 self._recorder.skip_step()
         if self._production is not None:
             self._production.stepped(self._step, traced=traced)
         if self._step in self.config.save_at:
             self._save()
-
-    def _batch_indices(self) -> list[Any] | None:
-        """``[epoch, indices]`` of the last batch the tracked ``ResumableSampler`` handed out; ``None`` without one."""
-        last = self._sampler.last_batch() if self._sampler is not None else None
-        return None if last is None else [last[0], last[1]]
 
     def _traced(self, step: int) -> bool:
         return step % self.config.trace_every == 0
@@ -466,27 +461,26 @@ _END = object()
 
 
 def _epochs(loader: Iterable[Any], sampler: Any, state: Any) -> Iterator[Any]:
-    """Batches over epochs: first a marker once the epoch's iterator exists (right after the base-seed draw), then
-    batches; at each epoch's end ``sampler`` (the loader's ``ResumableSampler``, if any) and the epoch counter
-    advance."""
+    """Batches over epochs, the first epoch's iterator made now (drawing the base seed), each later one when the
+    previous epoch ends, after ``sampler`` (the loader's ``ResumableSampler``, if any) and the epoch counter
+    advance; a plain loader makes one pass."""
     stateful = type(loader).__name__.startswith("Stateful")
-    first_epoch = True
-    while True:
+
+    def epoch() -> Iterator[Any]:
         inner = iter(loader)  # draws the base seed now
-        batches = sampler.track(inner, batch_size=getattr(loader, "batch_size", None)) if (
-            sampler is not None and not stateful) else inner
-        if first_epoch:
-            yield _ITER_READY
-            first_epoch = False
-        yield from batches
-        if sampler is None:
-            return  # a plain loader: one pass
-        sampler.set_epoch(sampler.epoch + 1)
-        if state is not None:
-            state.counters.epoch = sampler.epoch
+        if sampler is None or stateful:
+            return inner
+        return sampler.track(inner, batch_size=getattr(loader, "batch_size", None))
 
+    def batches(first: Iterator[Any]) -> Iterator[Any]:
+        yield from first
+        while sampler is not None:
+            sampler.set_epoch(sampler.epoch + 1)
+            if state is not None:
+                state.counters.epoch = sampler.epoch
+            yield from epoch()
 
-_ITER_READY = object()
+    return batches(epoch())
 
 
 def _start_values(state: Any) -> dict[str, Any]:

@@ -13,28 +13,12 @@ import dataclasses
 import sys
 import types
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from ckptverify.trace.sites import local_view
 
-__all__ = ["Unregistered", "compare_held", "find_unregistered", "held_state", "missing_optimizer",
+__all__ = ["compare_held", "find_unregistered", "held_state", "missing_optimizer",
            "registered_bindings", "replaced_objects"]
-
-
-@dataclass(frozen=True, slots=True)
-class Unregistered:
-    """One stateful object the ``TrainState`` does not hold: the variable that names it and what it is."""
-
-    name: str
-    kind: str
-    type: str
-
-    def describe(self) -> str:
-        return f"{self.name} ({self.type}, {self.kind})"
-
-    def to_dict(self) -> dict[str, str]:
-        return {"name": self.name, "kind": self.kind, "type": self.type}
 
 
 def _kind(obj: Any) -> str | None:
@@ -87,7 +71,8 @@ def _registered(state: Any) -> tuple[set[int], list[Any]]:
     loader = state.dataloader
     if loader is not None:
         dataset = getattr(loader, "dataset", None)
-        if dataset is not None and _saves_dataset(loader):
+        if dataset is not None and any(c.__name__ == "StatefulDataLoader" and c.__module__.startswith("torchdata.")
+                                       for c in type(loader).__mro__):
             # StatefulDataLoader saves its dataset's state (per worker, where the moving copy lives).
             ids.add(id(dataset))
         for attr in ("sampler", "batch_sampler", "generator"):
@@ -98,12 +83,6 @@ def _registered(state: Any) -> tuple[set[int], list[Any]]:
                 if inner is not None:
                     ids.add(id(inner))
     return ids, modules
-
-
-def _saves_dataset(loader: Any) -> bool:
-    """Whether ``loader`` saves its dataset's state with its own (torchdata's StatefulDataLoader)."""
-    return any(c.__name__ == "StatefulDataLoader" and c.__module__.startswith("torchdata.")
-               for c in type(loader).__mro__)
 
 
 def _wraps_registered(obj: Any, modules: list[Any]) -> bool:
@@ -123,11 +102,12 @@ def _container_attrs(obj: Any) -> Mapping[str, Any]:
     return {}
 
 
-def find_unregistered(local_vars: Mapping[str, Any], state: Any) -> list[Unregistered]:
-    """Stateful objects among ``local_vars`` (and in containers among them) that ``state`` does not hold."""
+def find_unregistered(local_vars: Mapping[str, Any], state: Any) -> list[dict[str, str]]:
+    """Stateful objects among ``local_vars`` (and in containers among them) that ``state`` does not hold, as
+    ``{"name", "kind", "type"}``: the variable that names each and what it is."""
     ids, modules = _registered(state)
     seen: set[int] = set()
-    out: list[Unregistered] = []
+    out: list[dict[str, str]] = []
 
     def visit(name: str, obj: Any) -> None:
         if obj is None or id(obj) in ids or id(obj) in seen:
@@ -140,7 +120,7 @@ def find_unregistered(local_vars: Mapping[str, Any], state: Any) -> list[Unregis
         if type(obj).__name__ in ("Run", "TrainState"):
             return
         seen.add(id(obj))
-        out.append(Unregistered(name, kind, type(obj).__name__))
+        out.append({"name": name, "kind": kind, "type": type(obj).__name__})
 
     for name, obj in local_vars.items():
         if name.startswith("__") or name == "_":
@@ -244,14 +224,6 @@ def _covered_storages(state: Any) -> set[tuple[str, int | None, int]]:
     return keys  # type: ignore[return-value]
 
 
-def _tensor_value(t: Any) -> str:
-    """A tensor as ``dtype[shape]:fingerprint`` (a ``DTensor``: its local shard, so no rank waits)."""
-    from ckptverify.fingerprint import tensor_fingerprint
-
-    fp = tensor_fingerprint(local_view(t).detach())
-    return f"{fp.dtype}{list(fp.shape)}:{fp.value}"
-
-
 def _plain(obj: Any) -> bool:
     """Whether ``obj`` is a plain object of the job whose attributes may hold state, not library internals."""
     from torch.utils.data import Dataset
@@ -276,6 +248,8 @@ def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
     "truncated", "skipped"}``."""
     import torch
 
+    from ckptverify.fingerprint import tensor_fingerprint
+
     ids, _ = _registered(state)
     covered = _covered_storages(state)
     entries: dict[str, dict[str, str]] = {}
@@ -294,7 +268,9 @@ def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
         if _storage_key(t) in covered:
             return  # registered state under another name
         try:
-            put(path, var, _tensor_value(t))
+            # A DTensor's local shard, so no rank waits.
+            fp = tensor_fingerprint(local_view(t).detach())
+            put(path, var, f"{fp.dtype}{list(fp.shape)}:{fp.value}")
         except Exception:
             skipped.append(path)
 

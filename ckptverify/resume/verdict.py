@@ -195,8 +195,8 @@ def _resumed(c: _Case) -> Verdict | None:
     div = c.evidence.resume
     if div is None:
         return None
-    return replace(causes.first_verdict(PARTED, _Parted.of(c, div)),
-                   receivers=receiver_entries(div))
+    parted = _Parted(c.plan, c.evidence, div, c.evidence.step or StepEvidence(step=div.step, rank=div.rank))
+    return replace(causes.first_verdict(PARTED, parted), receivers=receiver_entries(div))
 
 
 def _final(c: _Case) -> Verdict | None:
@@ -235,25 +235,13 @@ class _Parted(_Case):
     div: FirstDivergence
     ev: StepEvidence
 
-    @classmethod
-    def of(cls, c: _Case, div: FirstDivergence) -> _Parted:
-        return cls(c.plan, c.evidence, div, c.evidence.step or StepEvidence(step=div.step, rank=div.rank))
-
-    @property
-    def step(self) -> int:
-        return self.div.step
-
-    @property
-    def category(self) -> str:
-        return self.div.category
-
     @property
     def site(self) -> str:
         return _site(self.div)
 
     @property
     def common(self) -> dict[str, Any]:
-        return dict(step=self.step, rank=origin_rank(self.div), site=self.site, category=self.category,
+        return dict(step=self.div.step, rank=origin_rank(self.div), site=self.site, category=self.div.category,
                     origin=self.div.origin)
 
     @property
@@ -263,7 +251,7 @@ class _Parted(_Case):
     @property
     def at(self) -> causes.At:
         """The step, as the shared cause sentences name it."""
-        return causes.At(RESUME, self.step, self.plan.resume_at, ranks_said(self.div))
+        return causes.At(RESUME, self.div.step, self.plan.resume_at, ranks_said(self.div))
 
     @property
     def sites(self) -> set[str]:
@@ -272,7 +260,7 @@ class _Parted(_Case):
 
 def _pending(c: _Parted) -> Verdict | None:
     """A saved mid gradient accumulation: B starts that optimizer step from zero gradients."""
-    plan, div, forgotten, step, when = c.plan, c.div, c.forgotten, c.step, c.at.when
+    plan, div, forgotten, step, when = c.plan, c.div, c.forgotten, c.div.step, c.at.when
     pending = c.evidence.pending_gradients
     if not pending:
         return None
@@ -302,7 +290,7 @@ _REBUILT = {"scheduler": "its schedule starts afresh in B while A's carries on f
 
 def _replaced(c: _Parted) -> Verdict | None:
     """A registered object was rebuilt after ``run.restore``: named as the cause, whatever value shows it first."""
-    evidence, div, forgotten, step = c.evidence, c.div, c.forgotten, c.step
+    evidence, div, forgotten, step = c.evidence, c.div, c.forgotten, c.div.step
     if not evidence.replaced:
         return None
     origins = div.origin_ranks or ()
@@ -348,7 +336,7 @@ def _step_hparams(c: _Parted) -> Verdict | None:
     unsaved = list(c.evidence.unsaved_schedulers)
     hstep, sites = c.ev.hparams_step, c.sites
     lr_moved = any(s.startswith(("optim.param_groups", "metric.lr")) for s in sites)
-    if not (hstep or c.category == "scheduler" or any(s.startswith("scheduler") for s in sites)
+    if not (hstep or c.div.category == "scheduler" or any(s.startswith("scheduler") for s in sites)
             or (unsaved and lr_moved)):
         return None
     if hstep:
@@ -363,11 +351,11 @@ def _step_hparams(c: _Parted) -> Verdict | None:
 def _data(c: _Parted) -> Verdict | None:
     """The batch."""
     sites = c.sites
-    if not (c.ev.batch or c.category == "data" or "data.indices" in sites
+    if not (c.ev.batch or c.div.category == "data" or "data.indices" in sites
             or any(s.startswith("batch") for s in sites)):
         return None
-    message, advice = _data_cause(c.evidence, c.ev, c.step, c.at.first, c.plan.resume_at)
-    return Verdict("data", f"the batch of step {c.step} differs ({_where(c.div)}) while the random streams and "
+    message, advice = _data_cause(c)
+    return Verdict("data", f"the batch of step {c.div.step} differs ({_where(c.div)}) while the random streams and "
                    f"hyperparameters it started from are equal: {message}{c.said}", advice=advice, **c.common)
 
 
@@ -387,7 +375,7 @@ _COMPUTED = ("metric", "parameters", "gradients", "optimizer", "module", "buffer
 
 def _unregistered(c: _Parted) -> Verdict | None:
     evidence, div = c.evidence, c.div
-    if c.category not in _COMPUTED or not (evidence.missing_optimizer or evidence.unregistered):
+    if c.div.category not in _COMPUTED or not (evidence.missing_optimizer or evidence.unregistered):
         return None
     items = evidence.unregistered
     optim = next((u for u in items if u["kind"] == "optimizer"), None)
@@ -402,7 +390,7 @@ def _unregistered(c: _Parted) -> Verdict | None:
 
 def _hidden(c: _Parted) -> Verdict | None:
     div = c.div
-    if c.category not in _COMPUTED:
+    if c.div.category not in _COMPUTED:
         return None
     origin, fed = div.origin, div.origin_fed
     if origin and fed:
@@ -470,10 +458,11 @@ RULES: tuple[Callable[[_Case], Verdict | None], ...] = (
     _restore, _nondeterministic, _resumed, _final, _held, _passed)
 
 
-def _data_cause(evidence: Evidence, ev: StepEvidence, step: int, first_resumed: bool, K: int) -> tuple[str, str]:
+def _data_cause(c: _Parted) -> tuple[str, str]:
     """Why a batch differs and what to do, from ``data.indices`` in A and B: other samples (loader unregistered or
     position not restored), a batch taken before the save, or the same samples with other contents."""
-    a, b, a_next = ev.indices.a, ev.indices.b, ev.indices.a_next
+    evidence, step = c.evidence, c.div.step
+    a, b, a_next = c.ev.indices.a, c.ev.indices.b, c.ev.indices.a_next
     loaders = [u for u in evidence.unregistered if u.get("kind") in ("data loader", "sampler")]
     named = ", ".join(f"{u['name']} ({u['type']})" for u in loaders)
     register = causes.REGISTER_LOADER
@@ -499,9 +488,9 @@ def _data_cause(evidence: Evidence, ev: StepEvidence, step: int, first_resumed: 
                 "drive the loader with ckptverify.state.sampler.ResumableSampler and run the check again: it "
                 "then tells a data position that was not restored from randomness inside the dataset.")
     if a != b:
-        if first_resumed and a_next is not None and b == a_next:
+        if c.at.first and a_next is not None and b == a_next:
             return (f"B's first batch holds the samples A trained on at step {step + 1}: A took a batch from the "
-                    f"loader before its save point (after step {K}), so the saved position counts it as "
+                    f"loader before its save point (after step {c.plan.resume_at}), so the saved position counts it as "
                     "consumed and the resumed run skips it.",
                     "take each step's batch inside the step (for batch in run.steps(loader)), not ahead of "
                     "run.record(), which saves.")

@@ -149,7 +149,7 @@ def test_find_unregistered_names_locals_container_fields_and_module_attributes()
     scaler = torch.amp.GradScaler("cpu")
     box = types.SimpleNamespace(aux_opt=torch.optim.SGD(ema.parameters(), lr=0.1), width=3)
     state = TrainState(model=model, optimizer=opt)
-    found = {u.name: (u.kind, u.type) for u in find_unregistered(
+    found = {u["name"]: (u["kind"], u["type"]) for u in find_unregistered(
         {"model": model, "opt": opt, "sched": sched, "ema": ema, "scaler": scaler, "box": box, "state": state,
          "_": torch.nn.Linear(1, 1), "n": 3}, state)}
     assert found == {"sched": ("LR scheduler", "StepLR"), "ema": ("module", "Linear"),

@@ -141,9 +141,9 @@ def test_final_state_or_held_verdicts_are_not_walked(tmp_path: Path, monkeypatch
 def test_a_production_difference_is_not_walked_and_says_what_would_tell(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("ckptverify.resume.launch.launch_jobs", _no_launch)
-    walked = for_replay("hardware-fault-suspected", step=5, rank=None, site="param.w", target=f"{SCRIPT}:train",
-                        start_path=str(tmp_path), total_steps=8, world=2, device="cpu", repeats=2,
-                        workdir=str(tmp_path))
+    verdict = SimpleNamespace(kind="hardware-fault-suspected", step=5, rank=None, site="param.w")
+    walked = for_replay(verdict, Side(name="R1", target=f"{SCRIPT}:train", resume_from=str(tmp_path), total_steps=8),
+                        world=2, device="cpu", repeats=2, workdir=str(tmp_path))
     assert walked.status == "skipped" and walked.origin is None and "op window" in walked.sentence
 
 
@@ -174,12 +174,14 @@ def test_walk_sides_start_where_the_state_is_proved_equal(tmp_path: Path, monkey
     monkeypatch.setattr("ckptverify.resume.launch.launch_jobs", record)
     configs = {"A": SimpleNamespace(checkpoint_dir=str(tmp_path / "ckpt"))}
     nd = SimpleNamespace(kind="nondeterministic", step=3, rank=0, site="x", category="metric")
+    ckpt = str(tmp_path / "ckpt" / "step_2")
     for_resume(_plan(), nd, SimpleNamespace(nondeterminism=None), configs, str(tmp_path / "w1"))
-    assert launched == [("A-0", str(tmp_path / "ckpt" / "step_2"), 3)]
+    # One at a time, each launch still runs after another failed.
+    assert launched == [(f"{side}-{r}", ckpt, 3) for r in (0, 1) for side in ("A", "A2")]
     launched.clear()
     hidden = SimpleNamespace(kind="hidden-state", step=3, rank=0, site="x", category="parameters")
     for_resume(_plan(), hidden, SimpleNamespace(nondeterminism=None), configs, str(tmp_path / "w2"))
-    assert launched == [("A-0", None, 3)]
+    assert launched == [(f"{side}-{r}", start, 3) for r in (0, 1) for side, start in (("A", None), ("B", ckpt))]
 
 
 def test_the_walk_says_its_runs_and_time_before_it_starts_and_runs_them_side_by_side_where_cores_allow(

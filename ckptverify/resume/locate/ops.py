@@ -91,8 +91,6 @@ class Receiver:
     step: int
     op: str
     via: Via
-    phase: str = ""
-    module: str = ""
     occurrence: int = 0
     seen: bool = True
 
@@ -241,12 +239,13 @@ class Located:
                     f"nondeterministic within {which}, whether or not the pairs of the two sides happened to differ "
                     f"there")
         if self.arguments:
+            one = len(self.arguments) == 1
             named = ", ".join(f"{x['name']}: {x['a']} vs {x['b']}" if x["a"] is not None and x["b"] is not None
                               else f"{x['name']} differs" for x in self.arguments)
             return (f"The divergence at step {self.step} is born on {who} at {o.op} {named} "
                     f"({_where(o.occurrence, o.phase, o.module)}): its tensor "
-                    f"inputs are equal and {_plural(len(self.arguments), 'argument')} other than a tensor "
-                    f"{'differs' if len(self.arguments) == 1 else 'differ'} ({count})")
+                    f"inputs are equal and {'one argument' if one else f'{len(self.arguments)} arguments'} other than "
+                    f"a tensor {'differs' if one else 'differ'} ({count})")
         if self.rewired:
             return f"The divergence at step {self.step} is born on {who}: {site} reads other values than on " \
                    f"the other side, each a value both sides had (it is called on another tensor: the call or " \
@@ -331,10 +330,6 @@ def _where(occurrence: int | None, phase: str | None, module: str | None) -> str
     return f"occurrence {occurrence}, {phase}{f' in {module}' if module else ''}"
 
 
-def _plural(n: int, word: str) -> str:
-    return f"one {word}" if n == 1 else f"{n} {word}s"
-
-
 def _record(o: Origin) -> str:
     parts = [f"step {o.step}"] + [str(x) for x in (o.phase, o.module, o.op) if x]
     if o.occurrence is not None and o.op:
@@ -371,15 +366,11 @@ def _own_difference(a: OpEvent, b: OpEvent) -> tuple[dict[str, Any] | None, tupl
     """``(first differing output, arguments that count)`` of two events with equal inputs; ``None``: equal."""
     output = _output_difference(a, b)
     arguments = _argument_difference(a, b)
-    # An argument that changes nothing is no difference; one whose effect was not compared is.
-    if arguments and output is None and _compared(a) and _compared(b):
+    # An argument that changes nothing is no difference; one whose effect was not compared (no output
+    # fingerprinted: an artifact's is not) is.
+    if arguments and output is None and all(any(x is not None for x in e.outputs) for e in (a, b)):
         arguments = ()
     return (output, arguments) if output is not None or arguments else None
-
-
-def _compared(e: OpEvent) -> bool:
-    """Whether any output of ``e`` was fingerprinted (an artifact's is not)."""
-    return any(x is not None for x in e.outputs)
 
 
 def _output_difference(a: OpEvent, b: OpEvent) -> dict[str, Any] | None:
@@ -439,7 +430,6 @@ class _First:
 
     what: str  # "one-sided", "outputs" (inputs equal), "arguments" (tensors equal, other arguments not), "inputs"
     event: OpEvent  # side A's event (side B's when the op ran on B only)
-    other: OpEvent | None
     side: str | None = None  # for one-sided: the side it ran on
     output: dict[str, Any] | None = None
     arguments: tuple[dict[str, Any], ...] = ()  # for "arguments": those that differ
@@ -465,11 +455,6 @@ class _Pair:
                                for events in (self.a, self.b))
         return self._comm[0].get((group, seq)), self._comm[1].get((group, seq))
 
-    def sends_to(self, peer: int) -> list[tuple[OpEvent, OpEvent | None]]:
-        """This rank's sends to ``peer`` in A's order, each with B's event of the same key."""
-        return [(e, self.kb.get(e.key)) for e in self.a
-                if e.comm is not None and e.comm.peer == peer and e.comm.collective not in RECV]
-
     def first(self) -> _First | None:
         """Walks both logs in one execution order (:func:`~ckptverify.trace.compare.merged_order`)."""
         merged = merged_order([e.key for e in self.a], [e.key for e in self.b])
@@ -479,7 +464,7 @@ class _Pair:
                 continue
             last_equal = self.ka[merged[n - 1]] if n > 0 else None
             if ea is None or eb is None:
-                return _First("one-sided", ea or self.kb[key], None, side="a" if eb is None else "b",
+                return _First("one-sided", ea or self.kb[key], side="a" if eb is None else "b",
                               last_equal=last_equal)
             if _inputs_differ(ea, eb):
                 produced, seen = self._values_before(merged, n)
@@ -487,11 +472,11 @@ class _Pair:
                 # Each side read a value both sides had: a changed call, not an outside change.
                 rewired = len(ea.inputs) != len(eb.inputs) or all(x in seen and y in seen for x, y in pairs)
                 made = any(x in produced or y in produced for x, y in pairs)
-                return _First("inputs", ea, eb, last_equal=last_equal, produced_in_step=made, rewired=rewired)
+                return _First("inputs", ea, last_equal=last_equal, produced_in_step=made, rewired=rewired)
             own = _own_difference(ea, eb)
             if own is not None:
                 output, arguments = own
-                return _First("arguments" if arguments else "outputs", ea, eb, output=output, arguments=arguments,
+                return _First("arguments" if arguments else "outputs", ea, output=output, arguments=arguments,
                               last_equal=last_equal)
         return None
 
@@ -578,7 +563,9 @@ def _peer_sent_differently(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]
         return None
     mine = [e for e in pairs[rank].a if e.comm is not None and e.comm.peer == comm.peer and e.comm.collective in RECV]
     k = next((i for i, e in enumerate(mine) if e.key == event.key), None)
-    sends = peer.sends_to(rank)
+    # The peer's sends to this rank in A's order, each with B's event of the same key.
+    sends = [(e, peer.kb.get(e.key)) for e in peer.a
+             if e.comm is not None and e.comm.peer == rank and e.comm.collective not in RECV]
     if k is None or k >= len(sends) or sends[k][1] is None:
         return None
     sa, sb = sends[k]
@@ -673,8 +660,8 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
         e = chosen.first.event
         if chosen.kind == "receiver":
             assert chosen.via is not None
-            receivers.append(Receiver(rank=r, step=e.step, op=e.op, via=chosen.via, phase=e.phase, module=e.module,
-                                      occurrence=e.occurrence, seen=chosen.seen))
+            receivers.append(Receiver(rank=r, step=e.step, op=e.op, via=chosen.via, occurrence=e.occurrence,
+                                      seen=chosen.seen))
             continue
         # Also count pairs where the op differed without being the rank's first difference.
         count = sum(1 for src, verdicts, logs_of in compared if src == source

@@ -60,14 +60,13 @@ class Side:
 @dataclass(frozen=True, kw_only=True)
 class Walk:
     """What to re-run: ``step`` of both ``sides`` on ``nproc`` ranks, ``repeats`` times each, with the op window on
-    that step (and ``ranks``). ``timeout_s``: per launch before it counts as hung (at least :data:`MIN_TIMEOUT_S`)."""
+    that step. ``timeout_s``: per launch before it counts as hung (at least :data:`MIN_TIMEOUT_S`)."""
 
     step: int
     sides: tuple[Side, Side]
     nproc: int = 1
     device: str = "cpu"
     repeats: int = DEFAULT_REPEATS
-    ranks: tuple[int, ...] | None = None
     timeout_s: float | None = None
     #: Starting state proved equal (``None``: unknown); tells ``untraced`` from ``state``.
     state_equal: bool | None = None
@@ -193,7 +192,7 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None]) -> Walked:
     s, n = request.step, request.repeats
     timeout = max(MIN_TIMEOUT_S, request.timeout_s or 0.0)
     os.makedirs(workdir, exist_ok=True)
-    window = OpWindow(steps=(s,), ranks=request.ranks)
+    window = OpWindow(steps=(s,))
 
     def config(side: Side, tag: str, win: OpWindow) -> RunConfig:
         d = os.path.join(workdir, tag)
@@ -217,8 +216,6 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None]) -> Walked:
     logs: dict[str, dict[int, list[list[Any]]]] = {side.name: {} for side in request.sides}
     for _r, side, cfg in runs:  # in repeat order, whatever order the launches finished in
         for rank in range(request.nproc):
-            if request.ranks is not None and rank not in request.ranks:
-                continue
             logs[side.name].setdefault(rank, []).append(list(read_ops(cfg.trace_dir, rank, s)))
     say(f"locate: comparing the op logs of step {s}")
     a, b = (logs[side.name] for side in request.sides)
@@ -234,18 +231,14 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None]) -> Walked:
         sentence = (f"At level op, the {n} re-run(s) of each side agree at step {s}: the difference does not "
                     f"reproduce when the step is re-run alone ({result.sentence()})")
         return Walked(status="clean", sentence=sentence, step=s, repeats=n, extra=extra, found=found)
-    if origin is None:
-        return Walked(status="located", sentence=result.sentence(), receivers=receivers, step=s, repeats=n,
-                      extra=extra, found=found)
-    kernel = None
-    if origin.get("kind") == "op" and origin.get("op"):
+    sentence, kernel = result.sentence(), None
+    if origin is not None and origin.get("kind") == "op" and origin.get("op"):
         side = request.sides[1] if data.get("one_side") == "b" or data.get("seen_in") == "b" else request.sides[0]
         kernel, kernel_finding = _kernel(request, side, origin, workdir, say, timeout, config)
         if kernel_finding is not None:
             found += (kernel_finding,)
-    sentence = result.sentence()
-    if kernel and kernel.get("sentence"):
-        sentence = f"{sentence} {kernel['sentence']}"
+        if kernel and kernel.get("sentence"):
+            sentence = f"{sentence} {kernel['sentence']}"
     return Walked(status="located", sentence=sentence, origin=origin, receivers=receivers, kernel=kernel,
                   step=s, repeats=n, extra=extra, found=found)
 
@@ -258,20 +251,14 @@ def _estimate(request: Walk, width: int, count: int) -> str:
         return ""
 
     def cost(side: Side) -> float:
-        steps = request.step - (_resumed_at(side) or 0)
+        # From the step of its resume checkpoint (``step_N``); from scratch, step 0.
+        name = os.path.basename(os.path.normpath(side.resume_from)) if side.resume_from else ""
+        steps = request.step - (int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else 0)
         return request.run_seconds * max(1, steps) / max(total, request.step)
 
     longest = max(cost(side) for side in request.sides)
     waves = -(-count // max(1, width))
     return f", about {round((waves + 1) * longest)} s with the kernel's capture"
-
-
-def _resumed_at(side: Side) -> int | None:
-    """The step of a side's resume checkpoint from its ``step_N`` name; ``None`` from scratch."""
-    if not side.resume_from:
-        return None
-    name = os.path.basename(os.path.normpath(side.resume_from))
-    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
 
 
 def _kernel(request: Walk, side: Side, origin: Mapping[str, Any], workdir: str, say: Callable[[str], None],
@@ -337,21 +324,19 @@ def for_resume(plan: Any, verdict: Any, evidence: Any, configs: Mapping[str, Any
     return walk(request, workdir, progress=progress)
 
 
-def for_replay(kind: str, *, step: int | None, rank: int | None, site: str | None, target: str,
-               start_path: str, total_steps: int | None, world: int, device: str, repeats: int, workdir: str,
+def for_replay(verdict: Any, replayed: Side, *, world: int, device: str, repeats: int, workdir: str,
                progress: Callable[[str], None] | None = None, timeout_s: float | None = None) -> Walked:
-    """The walk of a ``replay`` verdict ``kind``: differing replays re-run from ``start_path``; input causes are
-    ``state`` origins; production vs replay cannot be walked (production has no op log)."""
+    """The walk of a ``replay`` ``verdict``: differing replays (``replayed``, re-run as R1 and R2) are re-run; input
+    causes are ``state`` origins; production vs replay cannot be walked (production has no op log)."""
+    kind, step = verdict.kind, verdict.step
     if kind in STATE_KINDS:
-        return state_origin(kind=kind, step=step, rank=rank, site=site)
+        return state_origin(kind=kind, step=step, rank=verdict.rank, site=verdict.site)
     if kind != "nondeterministic" or step is None:
         why = {"hardware-fault-suspected": "production recorded no op log to compare the replays' with, and the "
                "replays agree with each other; to locate the op, run the job with an op window on the suspected "
                "step (trace level op) and replay again",
                "undetermined": "the evidence does not single out a step and rank to re-run"}
         return skipped(why.get(kind, f"a {kind} verdict has no computed step to re-run at level op"), step=step)
-    sides = (Side(name="R1", target=target, resume_from=start_path, total_steps=total_steps),
-             Side(name="R2", target=target, resume_from=start_path, total_steps=total_steps))
-    request = Walk(step=step, sides=sides, nproc=world, device=device, repeats=repeats, timeout_s=timeout_s,
-                   state_equal=True)
+    request = Walk(step=step, sides=(replace(replayed, name="R1"), replace(replayed, name="R2")), nproc=world,
+                   device=device, repeats=repeats, timeout_s=timeout_s, state_equal=True)
     return walk(request, workdir, progress=progress)
