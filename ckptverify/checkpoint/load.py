@@ -388,7 +388,10 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
             except BaseException as exc:
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
-                proof = _proof_failure(exc)  # the reader's ProofFailedError, raised as itself or inside DCP's
+                # The reader's ProofFailedError, raised as itself or inside DCP's; a metadata file's DCP folds
+                # into a message, so the reader keeps it.
+                proof = _proof_failure(exc) or (None if reader.refused_metadata is None
+                                                else (state.rank, reader.refused_metadata))
                 if proof is None and reported_as_itself(exc):
                     raise
                 if proof is not None:

@@ -116,13 +116,15 @@ class SafeFileSystemReader(FileSystemReader):
 
 class ProvingFileSystemReader(SafeFileSystemReader):
     """:class:`SafeFileSystemReader` proving each item in the read that loads it. ``manifest``: validated manifest, or
-    ``None`` for zip CRC-32s. ``proven`` counts ``items``, ``bytes``, ``method``."""
+    ``None`` for zip CRC-32s. ``proven`` counts ``items``, ``bytes``, ``method``; ``refused_metadata`` is a metadata
+    file's failed proof (DCP folds it into a message of its own)."""
 
     def __init__(self, path: str | os.PathLike[str], manifest: Manifest | None = None) -> None:
         super().__init__(path)
         self.manifest = manifest
         self._entries = {e.key: e for e in manifest.items} if manifest is not None else {}
         self.proven = {"items": 0, "bytes": 0, "method": "manifest" if manifest is not None else "zip-crc"}
+        self.refused_metadata: ProofFailedError | None = None
 
     def _check_metadata(self, name: str, raw: bytes) -> None:
         if self.manifest is None or name not in self.manifest.metadata_files:
@@ -132,10 +134,11 @@ class ProvingFileSystemReader(SafeFileSystemReader):
         entry = self.manifest.metadata_files[name]
         actual = digest_bytes(raw, self.manifest.digest_algorithm)
         if len(raw) != entry.size or actual != entry.digest:
-            raise ProofFailedError(
+            self.refused_metadata = ProofFailedError(
                 f"{name} differs from the one written at save time (manifest-digest): the checkpoint's index was "
                 "replaced or edited", info={"check": "manifest-digest", "file": name, "expected": entry.digest,
                                        "actual": actual})
+            raise self.refused_metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
         import torch

@@ -255,19 +255,28 @@ def test_load_parses_each_metadata_file_once(good: tuple[Path, dict[str, Any]], 
     assert parsed == [md.METADATA_FILE]
 
 
-def test_a_replaced_metadata_fails_its_proof_and_changes_nothing(good, tmp_path) -> None:
+def test_a_replaced_metadata_fails_its_proof_changes_nothing_and_is_stamped_failed(good, tmp_path) -> None:
     """A ``.metadata`` other than the one the manifest digested (here: another save's of the same state, which
-    parses) fails its proof when DCP reads it, though the layout was read first: nothing is applied. (DCP folds the
-    reader's failure into its own message, so it comes back as a ``CkptVerifyError`` naming the check.)"""
+    parses) fails its proof when DCP reads it, though the layout was read first: a ``ProofFailedError`` naming the
+    check (DCP folds the reader's failure into a message of its own), nothing applied, and the stamp the copy
+    carried replaced by a failed one."""
     import shutil
+
+    from ckptverify.audit.verify import verify_checkpoint
+    from ckptverify.errors import ProofFailedError
+    from ckptverify.runs.stamp import read_stamp, write_stamp
 
     path, sd = good
     swapped = tmp_path / "swapped"
     shutil.copytree(path, swapped)
+    write_stamp(swapped, verify_checkpoint(str(swapped)))
+    assert read_stamp(swapped).passed
     save_sd(sd, tmp_path / "other")
     shutil.copyfile(tmp_path / "other" / ".metadata", swapped / ".metadata")
     state = build(5)
     before = snapshot(state)
-    with pytest.raises(CkptVerifyError, match=r"differs from the one written at save time \(manifest-digest\)"):
+    with pytest.raises(ProofFailedError, match=r"\(manifest-digest\).*it is stamped failed") as raised:
         ckptverify.load(state, swapped, verify="off")
+    assert [f.check for f in raised.value.report.findings] == ["manifest-digest"]
     assert_unchanged(before, snapshot(state))
+    assert not read_stamp(swapped).passed
