@@ -114,6 +114,12 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
     return {"written": True, "node": node, "passed": report.passed, "bytes": data["bytes"]}
 
 
+def _one_dcp(root: str) -> bool:
+    """Whether ``root`` is one DCP checkpoint (:func:`~ckptverify.ownfiles.partsplan.dcp_folders` gives ``[""]``), not
+    a folder of them whose parts name files ``SUB/FILE``."""
+    return os.path.isfile(os.path.join(root, ".metadata"))
+
+
 def _committed(root: str) -> bool:
     """Whether the save at ``root`` finished: a committed DCP folder, or a folder whose DCP folders all committed."""
     from ckptverify.runs.stamp import committed
@@ -139,10 +145,9 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any,
 
         empty = Report(command="verify", target=root, findings=(), stats={"bytes": 0, "files": 0, "opened": []})
         return checked or empty, None
-    folder = not os.path.isfile(os.path.join(root, ".metadata"))
     # In a folder of checkpoint files the parts' files are DCP-folder shards ``SUB/FILE``: a manifest there
     # is a former save's (the top's files are the coordinator's).
-    manifests = [f"{sub}/{MANIFEST_FILE}" for sub in by_subfolder(files)] if folder else [MANIFEST_FILE]
+    manifests = [MANIFEST_FILE] if _one_dcp(root) else [f"{sub}/{MANIFEST_FILE}" for sub in by_subfolder(files)]
     stale = fingerprint == "auto" and any(os.path.lexists(os.path.join(root, m)) for m in manifests)
     if fingerprint is not True and not stale:
         report = checked if checked is not None else verify_part(root, jobs=jobs, only=files)
@@ -157,7 +162,7 @@ def _recorded(root: str, files: frozenset[str], jobs: int, deep: bool) -> tuple[
     from ckptverify.audit.verify import each_shard_folder
     from ckptverify.cluster.recorded import record
 
-    if os.path.isfile(os.path.join(root, ".metadata")):
+    if _one_dcp(root):
         return record(root, files, jobs, deep)
     report, by_sub = each_shard_folder(root, files, "verify" if deep else "fingerprint", lambda where, names: (
         dataclasses.replace((got := record(where, names, jobs, deep))[0], stats={**got[0].stats,
@@ -300,7 +305,7 @@ def _part_records(path: str, data: Any, files: list[str] | frozenset[str],
     from ckptverify.audit.verify import by_subfolder
     from ckptverify.cluster.recorded import records_of
 
-    if os.path.isfile(os.path.join(path, ".metadata")):
+    if _one_dcp(path):
         mine, got = {"": frozenset(files)}, {"": data}
     else:  # a folder of checkpoint files: by its DCP folders
         mine, got = by_subfolder(frozenset(files)), data.get("folders") if isinstance(data, dict) else None
@@ -406,7 +411,7 @@ def _adopt(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]
     :func:`_adopt_folder`."""
     from ckptverify.audit.adopt import fingerprint_checkpoint
 
-    if not os.path.isfile(os.path.join(path, ".metadata")):
+    if not _one_dcp(path):
         return _adopt_folder(path, jobs, reports, scanned, read_all)
     parts, records = [], []
     for data, part in reports:
