@@ -64,8 +64,7 @@ class CommandRanks:
         hello = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "command": command, "path": path}
         if self.rank == 0:
             self.set("hello/0", hello)
-            got = self._await({r: f"hello/{r}" for r in range(1, self.world)}, "checking in", started=True,
-                              topic="hello")
+            got = self.collect({r: f"hello/{r}" for r in range(1, self.world)}, "checking in", "hello", started=True)
             self.roster = [hello] + [got[r] for r in range(1, self.world)]
             for other in self.roster[1:]:
                 if (other["command"], other["path"]) != (command, path):
@@ -75,7 +74,7 @@ class CommandRanks:
             self.set("roster", self.roster)
         else:
             self.send(f"hello/{self.rank}", hello, "hello")
-            self.roster = self._await({0: "roster"}, "starting")[0]
+            self.roster = self.collect({0: "roster"}, "starting")[0]
 
     def close(self) -> None:
         self._stop.set()
@@ -107,29 +106,11 @@ class CommandRanks:
         except Exception as exc:
             raise self._lost(exc) from None
 
-    def wait_root(self, key: str, what: str) -> Any:
-        """Rank 0's message ``key``, waiting as long as rank 0's heartbeat moves."""
-        return self._await({0: key}, what)[0]
-
-    def collect(self, keys: dict[int, str], what: str, topic: str | None = None) -> dict[int, Any]:
-        """Every rank's message (rank -> key), waiting while each heartbeat moves. With ``topic`` (sent by
-        :meth:`send`), keys are read only when its count moved: one request per poll."""
-        return self._await(keys, what, topic=topic)
-
-    # ---- internals
-
-    def _beating(self) -> None:
-        key = f"beat/{self.rank}"
-        interval = min(BEAT_SECONDS, self.timeout / 4)
-        while not self._stop.is_set():
-            try:
-                self._beat_store.add(key, 1)
-            except Exception:  # the store is gone: the waits of the main thread say so
-                return
-            self._stop.wait(interval)
-
-    def _await(self, keys: dict[int, str], what: str, *, started: bool = False,
-               topic: str | None = None) -> dict[int, Any]:
+    def collect(self, keys: dict[int, str], what: str, topic: str | None = None, *,
+                started: bool = False) -> dict[int, Any]:
+        """Every rank's message (rank -> key), waiting while each heartbeat moves (``started``: also for ranks not
+        heard from yet). With ``topic`` (sent by :meth:`send`), keys are read only when its count moved: one request
+        per poll."""
         pending = dict(keys)
         got: dict[int, Any] = {}
         now = time.monotonic()
@@ -177,6 +158,18 @@ class CommandRanks:
             time.sleep(pause)
             pause = min(slowest, pause * 2)
         return got
+
+    # ---- internals
+
+    def _beating(self) -> None:
+        key = f"beat/{self.rank}"
+        interval = min(BEAT_SECONDS, self.timeout / 4)
+        while not self._stop.is_set():
+            try:
+                self._beat_store.add(key, 1)
+            except Exception:  # the store is gone: the waits of the main thread say so
+                return
+            self._stop.wait(interval)
 
     def _beat_of(self, rank: int) -> int | None:
         key = f"beat/{rank}"

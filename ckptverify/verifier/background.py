@@ -319,13 +319,10 @@ class BackgroundVerifier:
             self._report(job, result)
             return result
         finally:
-            self._done(job)  # only now: a wait that returns has seen the events written
-
-    def _done(self, job: _Job) -> None:
-        with self._cond:
-            with contextlib.suppress(ValueError):
-                self._pending.remove(job)
-            self._cond.notify_all()
+            with self._cond:  # only now: a wait that returns has seen the events written
+                with contextlib.suppress(ValueError):
+                    self._pending.remove(job)
+                self._cond.notify_all()
 
     def _locked(self, job: _Job, jobs: int | None, background: bool) -> Any:
         """``job``'s verification (or its task's result), its verifying lock held (waiting while ``watch`` holds it);
@@ -400,19 +397,21 @@ class BackgroundVerifier:
             _guarded("the on_verified callback", job.options.on_verified, result)
 
     def _cut_short(self, left: list[_Job], timeout: float | None) -> None:
+        why = f"not verified within the {timeout} s waited"
+        unsaid = []  # a task with a cut_short says it itself
         for job in left:
             if job.task is not None and job.task.cut_short is not None:
-                _guarded(f"reporting the cut-short verification of {job.path}", job.task.cut_short,
-                         f"not verified within the {timeout} s waited")
-        left = [j for j in left if j.task is None or j.task.cut_short is None]
-        if not left:
+                _guarded(f"reporting the cut-short verification of {job.path}", job.task.cut_short, why)
+            else:
+                unsaid.append(job)
+        if not unsaid:
             return
-        names = ", ".join(j.path for j in left)
-        warnings.warn(f"{len(left)} checkpoint verification(s) not finished after waiting {timeout} s: {names}; "
+        names = ", ".join(j.path for j in unsaid)
+        warnings.warn(f"{len(unsaid)} checkpoint verification(s) not finished after waiting {timeout} s: {names}; "
                       "they carry no stamp and are verified when a resume picks them", CkptVerifyWarning,
                       stacklevel=3)
-        for job in left:
-            cut = _unverified(job, "cut-short", f"not verified within the {timeout} s waited")
+        for job in unsaid:
+            cut = _unverified(job, "cut-short", why)
             _emit(job.events, event_of(cut), cut)
 
     def _forget_in_child(self) -> None:

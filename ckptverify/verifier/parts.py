@@ -222,7 +222,6 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             with pacing(throttle):
                 mine = verify_part(path, jobs=jobs or 1, skip=other_files)
         reports: list[tuple[dict[str, Any], Report]] = []
-        missing: list[dict[str, Any]] = []
         deadline = time.monotonic() + (part_timeout() if wait_s is None else wait_s)
         waiting = {n["node"]: n for n in others}
         got: dict[int, dict[str, Any]] = {}
@@ -237,7 +236,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             if removed(path):
                 return unverified(path, step, "deleted", GONE)
             time.sleep(_POLL_SECONDS)
-        missing = [waiting[k] for k in sorted(waiting)]
+        missing: list[dict[str, Any]] = [waiting[k] for k in sorted(waiting)]
         changed = False
         for k in sorted(got):
             node = next(n for n in others if n["node"] == k)
