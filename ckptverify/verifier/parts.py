@@ -102,9 +102,8 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
         checked, deep = _recorded(root, frozenset(files), jobs, deep=True)
     report, adoption = _part_checks(root, frozenset(files), jobs, plan.get("fingerprint", False), checked)
     changed = _signatures(root, files) != before
-    data = {"schema": PART_SCHEMA, "save_id": plan["save_id"], "node": node, "host": mine.get("host"),
-            "ranks": mine.get("ranks"), "files": files, "passed": report.passed, "changed": changed,
-            "signatures": before, "bytes": int(report.stats.get("bytes") or 0),
+    data = {"schema": PART_SCHEMA, "save_id": plan["save_id"], **_whose(mine), "passed": report.passed,
+            "changed": changed, "signatures": before, "bytes": int(report.stats.get("bytes") or 0),
             "seconds": round(time.perf_counter() - started, 6), "report": report.to_dict()}
     data.update((k, v) for k, v in (("adoption", adoption), ("deep", deep)) if v is not None)
     try:
@@ -174,10 +173,14 @@ def _part_summary(data: dict[str, Any], report: Any) -> dict[str, Any]:
     """A part as its stamp records it; ``failed_files``: its files that an error names."""
     files = set(data.get("files") or [])
     failed = sorted({f.location.file for f in report.errors if f.location.file in files})
-    return {"node": data.get("node"), "host": data.get("host"), "ranks": data.get("ranks"),
-            "files": data.get("files"), "bytes": data.get("bytes"), "seconds": data.get("seconds"),
+    return {**{k: data.get(k) for k in ("node", "host", "ranks", "files", "bytes", "seconds")},
             "opened": report.stats.get("opened"),
             "verdict": "failed" if failed or not report.passed else "passed", "failed_files": failed}
+
+
+def _whose(node: dict[str, Any]) -> dict[str, Any]:
+    """Who wrote a part, from its node in the plan (not from what a verdict file claims): as stamps record it."""
+    return {"node": node["node"], "host": node.get("host"), "ranks": node.get("ranks"), "files": node["files"]}
 
 
 def _describe_node(node: dict[str, Any]) -> str:
@@ -252,7 +255,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             for sub, r in theirs.items():
                 records.setdefault(sub, []).extend(r)
             # The plan, not the verdict file, says whose files these are.
-            data = {**got[k], "node": k, "host": node.get("host"), "ranks": node.get("ranks"), "files": node["files"]}
+            data = {**got[k], **_whose(node)}
             # A part read its files at another time than this side: they must be the files it read.
             changed = changed or bool(data.get("changed")) or _signatures(path, node["files"]) \
                 != data.get("signatures")
@@ -289,8 +292,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     if moved is not None:
         return moved
     for n in missing:  # a failed checkpoint is stamped failed; what was not checked is said with it
-        parts.append({"node": n["node"], "host": n.get("host"), "ranks": n.get("ranks"), "files": n["files"],
-                      "verdict": "unreported"})
+        parts.append({**_whose(n), "verdict": "unreported"})
     verdict = stamp(path, step, merged, before, started, throttle, parts=parts)
     if verdict.stamped:
         _tidy_parts(path, nodes)
@@ -380,8 +382,7 @@ def _summarize(path: str, nodes: list[dict[str, Any]], mine: Any, reports: list[
     from ckptverify.findings import Report, error, merge_reports
 
     own = nodes[0]
-    own_data = {"node": own["node"], "host": own.get("host"), "ranks": own.get("ranks"), "files": own["files"],
-                "bytes": int(mine_bytes or 0), "seconds": mine.stats.get("seconds")}
+    own_data = {**_whose(own), "bytes": int(mine_bytes or 0), "seconds": mine.stats.get("seconds")}
     parts = [_part_summary(own_data, mine), *(_part_summary(d, r) for d, r in reports)]
     named: list[Any] = []
     for k, part in enumerate(parts):
