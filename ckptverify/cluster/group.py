@@ -64,8 +64,7 @@ class CommandRanks:
         hello = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "command": command, "path": path}
         if self.rank == 0:
             self.set("hello/0", hello)
-            got = self._await({r: f"hello/{r}" for r in range(1, self.world)}, "checking in", started=True,
-                              topic="hello")
+            got = self.collect({r: f"hello/{r}" for r in range(1, self.world)}, "checking in", "hello", started=True)
             self.roster = [hello] + [got[r] for r in range(1, self.world)]
             for other in self.roster[1:]:
                 if (other["command"], other["path"]) != (command, path):
@@ -75,7 +74,7 @@ class CommandRanks:
             self.set("roster", self.roster)
         else:
             self.send(f"hello/{self.rank}", hello, "hello")
-            self.roster = self._await({0: "roster"}, "starting")[0]
+            self.roster = self.collect({0: "roster"}, "starting")[0]
 
     def close(self) -> None:
         self._stop.set()
@@ -88,48 +87,21 @@ class CommandRanks:
     # ---- messages
 
     def set(self, key: str, value: Any) -> None:
-        try:
-            self.store.set(key, json.dumps(value))
-        except Exception as exc:
-            raise self._lost(exc) from None
+        self._store(lambda: self.store.set(key, json.dumps(value)))
 
     def get(self, key: str) -> Any:
-        try:
-            return json.loads(self.store.get(key))
-        except Exception as exc:
-            raise self._lost(exc) from None
+        return self._store(lambda: json.loads(self.store.get(key)))
 
     def send(self, key: str, value: Any, topic: str) -> None:
         """Rank 0 the message ``key``, counted under ``topic`` (what :meth:`collect` watches)."""
         self.set(key, value)
-        try:
-            self.store.add(f"arrived/{topic}", 1)
-        except Exception as exc:
-            raise self._lost(exc) from None
+        self._store(self.store.add, f"arrived/{topic}", 1)
 
-    def wait_root(self, key: str, what: str) -> Any:
-        """Rank 0's message ``key``, waiting as long as rank 0's heartbeat moves."""
-        return self._await({0: key}, what)[0]
-
-    def collect(self, keys: dict[int, str], what: str, topic: str | None = None) -> dict[int, Any]:
-        """Every rank's message (rank -> key), waiting while each heartbeat moves. With ``topic`` (sent by
-        :meth:`send`), keys are read only when its count moved: one request per poll."""
-        return self._await(keys, what, topic=topic)
-
-    # ---- internals
-
-    def _beating(self) -> None:
-        key = f"beat/{self.rank}"
-        interval = min(BEAT_SECONDS, self.timeout / 4)
-        while not self._stop.is_set():
-            try:
-                self._beat_store.add(key, 1)
-            except Exception:  # the store is gone: the waits of the main thread say so
-                return
-            self._stop.wait(interval)
-
-    def _await(self, keys: dict[int, str], what: str, *, started: bool = False,
-               topic: str | None = None) -> dict[int, Any]:
+    def collect(self, keys: dict[int, str], what: str, topic: str | None = None, *,
+                started: bool = False) -> dict[int, Any]:
+        """Every rank's message (rank -> key), waiting while each heartbeat moves (``started``: also for ranks not
+        heard from yet). With ``topic`` (sent by :meth:`send`), keys are read only when its count moved: one request
+        per poll."""
         pending = dict(keys)
         got: dict[int, Any] = {}
         now = time.monotonic()
@@ -142,20 +114,15 @@ class CommandRanks:
         count: int | None = -1
         pause = 0.005
         while pending:
-            try:
-                moved = True
-                if topic is not None:
-                    now_count = int(self.store.add(f"arrived/{topic}", 0))
-                    moved, count = now_count != count, now_count
-                if moved:
-                    for r, key in list(pending.items()):
-                        if self.store.check([key]):
-                            got[r] = json.loads(self.store.get(key))
-                            del pending[r]
-            except CkptVerifyError:
-                raise
-            except Exception as exc:
-                raise self._lost(exc) from None
+            moved = True
+            if topic is not None:
+                now_count = int(self._store(self.store.add, f"arrived/{topic}", 0))
+                moved, count = now_count != count, now_count
+            if moved:
+                for r, key in list(pending.items()):
+                    if self._store(self.store.check, [key]):
+                        got[r] = self.get(key)
+                        del pending[r]
             if not pending:
                 break
             if self.liveness is not None:
@@ -178,12 +145,21 @@ class CommandRanks:
             pause = min(slowest, pause * 2)
         return got
 
+    # ---- internals
+
+    def _beating(self) -> None:
+        key = f"beat/{self.rank}"
+        interval = min(BEAT_SECONDS, self.timeout / 4)
+        while not self._stop.is_set():
+            try:
+                self._beat_store.add(key, 1)
+            except Exception:  # the store is gone: the waits of the main thread say so
+                return
+            self._stop.wait(interval)
+
     def _beat_of(self, rank: int) -> int | None:
         key = f"beat/{rank}"
-        try:
-            return int(self.store.add(key, 0)) if self.store.check([key]) else None
-        except Exception as exc:
-            raise self._lost(exc) from None
+        return self._store(lambda: int(self.store.add(key, 0)) if self.store.check([key]) else None)
 
     def _silent(self, ranks: list[int], what: str) -> str:
         def name(r: int) -> str:
@@ -198,10 +174,14 @@ class CommandRanks:
         return (f"{names} gave no sign of life for {self.timeout:g} s while {what}: stopped, hung or dead (its "
                 "heartbeat stopped); raise --rank-timeout if a node is that slow")
 
-    def _lost(self, exc: Exception) -> CkptVerifyError:
-        who = "rank 0's rendezvous store" if self.rank else "the rendezvous store"
-        return CkptVerifyError(f"rank {self.rank} on {self.host} lost {who} ({_short(exc)}): rank 0 or the launcher "
-                            "ended")
+    def _store(self, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)``, a request to the store; any failure means the store is gone with rank 0 or the launcher."""
+        try:
+            return call(*args)
+        except Exception as exc:
+            who = "rank 0's rendezvous store" if self.rank else "the rendezvous store"
+            raise CkptVerifyError(f"rank {self.rank} on {self.host} lost {who} ({_short(exc)}): rank 0 or the "
+                                  "launcher ended") from None
 
 
 def _short(exc: BaseException) -> str:

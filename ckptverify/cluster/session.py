@@ -105,7 +105,7 @@ class Session:
         pool = ThreadPoolExecutor(max_workers=self.jobs, thread_name_prefix="ckptverify-rank")
         try:
             for k in range(1 << 62):
-                msg = group.wait_root(f"round/{k}", "waiting for work")
+                msg = group.collect({0: f"round/{k}"}, "waiting for work")[0]
                 if msg.get("kind") != "work":
                     group.send(f"bye/{group.rank}", True, "bye")  # rank 0 may host the store: it waits for this
                     return 0
@@ -119,7 +119,8 @@ class Session:
                     results = list(run_map(read, work["units"]))
                     reply: dict[str, Any] = {"results": results}
                 except FileChangedError as exc:
-                    reply = {"error": "changed", "path": _relative(exc.path, self.path), "message": str(exc)}
+                    where = os.path.relpath(exc.path, self.path) if isinstance(exc.path, str) else "?"
+                    reply = {"error": "changed", "path": where, "message": str(exc)}
                 except Exception as exc:  # reported by rank 0, which names this rank
                     reply = {"error": "failed", "message": f"{type(exc).__name__}: {exc}"[:500]}
                 group.send(f"result/{k}/{group.rank}", reply, f"result/{k}")
@@ -306,10 +307,6 @@ def _merged(ranges: list[tuple[int, int]]) -> int:
         total += hi - max(lo, end)
         end = hi
     return total
-
-
-def _relative(path: Any, root: str) -> str:
-    return os.path.relpath(path, root) if isinstance(path, str) else "?"
 
 
 def _fault(rank: int) -> tuple[str | None, Callable[[], None]]:

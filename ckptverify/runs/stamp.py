@@ -65,7 +65,8 @@ def removed(path: str) -> bool:
             names = paths.listdir(path)
         except OSError:
             return True
-        return dir_format(names) == "dcp-uncommitted" or (dir_format(names) == "dcp" and not committed(path))
+        fmt = dir_format(names)
+        return fmt == "dcp-uncommitted" or (fmt == "dcp" and SAVE_MARKER in names)
     return not paths.isfile(path)
 
 

@@ -32,7 +32,7 @@ from ckptverify.errors import CkptVerifyWarning, UsageError, VerifyFailedWarning
 from ckptverify.options import VerifyOptions
 from ckptverify.runs.stamp import SETTLE_SECONDS
 from ckptverify.state.distributed import Group
-from ckptverify.verifier.stamper import VerifyingLock, verify_and_stamp
+from ckptverify.verifier.stamper import VerifyingLock, stamp_locked
 from ckptverify.verifier.throttle import IdleProbe, Throttle, env_number, throttle_enabled
 from ckptverify.verifier.verification import Verification, event_of, from_stamp, unverified
 from ckptverify.verifier.worker import PRIORITIES, VerifierProcess, lower_priority, restore_priority
@@ -111,10 +111,9 @@ class Task:
     locked: bool = True
 
     def __post_init__(self) -> None:
-        from ckptverify.verifier.jobs import JOBS
+        from ckptverify.verifier.jobs import job_function
 
-        if self.job not in JOBS:
-            raise UsageError(f"no such verification job: {self.job!r} (known: {', '.join(sorted(JOBS))})")
+        job_function(self.job)
 
 
 @dataclass(eq=False)
@@ -195,7 +194,9 @@ class BackgroundVerifier:
         job = self._job(path, step, options, deliver_later=deliver_later)
         with self._cond:
             self._pending.append(job)
-        return self._run(job, jobs=None, background=False)
+        result = self._run(job, jobs=None, background=False)
+        assert result is not None  # a verification's, not a task's
+        return result
 
     def pending(self) -> list[str]:
         """Paths submitted and not yet verified, oldest first."""
@@ -291,88 +292,73 @@ class BackgroundVerifier:
                 return
             if self.isolation == "thread" and not self._urgent():
                 lower_priority(self.priority)
-            if job.task is not None:
-                self._run_task(job, job.task, self.jobs, background=True)
-            else:
-                self._run(job, jobs=self.jobs, background=True)
+            self._run(job, jobs=self.jobs, background=True)
 
-    def _run(self, job: _Job, jobs: int | None, background: bool) -> Verification:
-        try:
-            result = self._verify(job, jobs, background)
-        except Exception as exc:  # the worker never dies: an unexpected failure is a result without a verdict
-            job.lock.release()
-            result = _unverified(job, "error", f"the verification itself failed: {type(exc).__name__}: {exc}")
-        with self._cond:
-            self._last = result
-            if result.verdict == "failed" and job.options.verify.on_failure == "raise" and job.deliver_later:
-                self._unraised.append(result)
-        try:
-            self._report(job, result)
-        finally:
-            self._done(job)  # only now: a wait that returns has seen the events written
-        return result
-
-    def _done(self, job: _Job) -> None:
-        with self._cond:
-            with contextlib.suppress(ValueError):
-                self._pending.remove(job)
-            self._cond.notify_all()
-
-    def _run_task(self, job: _Job, task: Task, jobs: int | None, background: bool) -> None:
+    def _run(self, job: _Job, jobs: int | None, background: bool) -> Verification | None:
+        """Verify ``job`` (or run its task), then report the result: a task's to its ``done``. The worker never dies:
+        a failure is a result without a verdict."""
+        task = job.task
         result: Any = None
         why: str | None = None
         try:
-            if task.locked and not self._take_lock(job):
-                why = REMOVED
-            else:
-                if self.before_verify is not None:
-                    self.before_verify(job.path)
-                if background and self.isolation == "process":
-                    result = self._child.run(task.job, task.args, throttle=self._throttled, urgent=self._urgent)
-                else:
-                    from ckptverify.verifier.jobs import run_job
-
-                    result = run_job(task.job, task.args)
-        except Exception as exc:  # the worker never dies: a failure is a result without a verdict
-            result, why = None, str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
+            result = self._locked(job, jobs, background)
+        except Exception as exc:
+            why = str(exc) if task is not None and isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
         finally:
             job.lock.release()
         try:
-            _guarded(f"reporting the verification of {job.path}", task.done, result, why)
+            if task is not None:
+                _guarded(f"reporting the verification of {job.path}", task.done, result, why)
+                return None
+            if why is not None:
+                result = _unverified(job, "error", f"the verification itself failed: {why}")
+            with self._cond:
+                self._last = result
+                if result.verdict == "failed" and job.options.verify.on_failure == "raise" and job.deliver_later:
+                    self._unraised.append(result)
+            self._report(job, result)
+            return result
         finally:
-            self._done(job)
+            with self._cond:  # only now: a wait that returns has seen the events written
+                with contextlib.suppress(ValueError):
+                    self._pending.remove(job)
+                self._cond.notify_all()
 
-    def _take_lock(self, job: _Job) -> bool:
-        """Hold the job's verifying lock, waiting while another holder (``watch``) has it; ``False`` if the checkpoint
-        is gone."""
-        while not job.lock.held:
-            try:
-                if job.lock.acquire():
-                    break
-            except OSError:
-                return False
-            time.sleep(_LOCK_POLL_SECONDS)
-        return True
+    def _locked(self, job: _Job, jobs: int | None, background: bool) -> Any:
+        """``job``'s verification (or its task's result), its verifying lock held (waiting while ``watch`` holds it);
+        the caller releases it."""
+        task = job.task
+        if task is None or task.locked:
+            waited = not job.lock.held
+            while not job.lock.held:
+                try:
+                    if job.lock.acquire():
+                        break
+                except OSError:  # the checkpoint is gone (a task's why is the message of a RuntimeError)
+                    if task is not None:
+                        raise RuntimeError(REMOVED) from None
+                    return _unverified(job, "deleted", REMOVED)
+                time.sleep(_LOCK_POLL_SECONDS)
+            if task is None and waited:
+                # Someone else (``ckptverify watch``) verified it meanwhile: their current stamp stands.
+                from ckptverify.runs.stamp import read_stamp
 
-    def _verify(self, job: _Job, jobs: int | None, background: bool) -> Verification:
-        from ckptverify.runs.stamp import read_stamp
-
-        if not job.lock.held:
-            # Someone else (``ckptverify watch``) is verifying it: wait for them, then take their current stamp.
-            if not self._take_lock(job):
-                return _unverified(job, "deleted", REMOVED)
-            stamp = read_stamp(job.path)
-            if stamp is not None and stamp.current and (bool(stamp.data.get("deep")) or not job.options.verify.deep):
-                job.lock.release()
-                return from_stamp(job.path, job.step, stamp.data)
+                stamp = read_stamp(job.path)
+                if stamp is not None and stamp.current and (bool(stamp.data.get("deep"))
+                                                            or not job.options.verify.deep):
+                    return from_stamp(job.path, job.step, stamp.data)
         if self.before_verify is not None:
             self.before_verify(job.path)
-        if background and self.isolation == "process":
-            try:
-                return self._child.verify(job.path, job.step, job.options.verify.deep, jobs or 1, self.settle,
-                                          throttle=self._throttled, urgent=self._urgent, parts=job.parts)
-            finally:
-                job.lock.release()
+        child = background and self.isolation == "process"
+        if task is not None:
+            if child:
+                return self._child.run(task.job, task.args, throttle=self._throttled, urgent=self._urgent)
+            from ckptverify.verifier.jobs import run_job
+
+            return run_job(task.job, task.args)
+        if child:
+            return self._child.verify(job.path, job.step, job.options.verify.deep, jobs or 1, self.settle,
+                                      throttle=self._throttled, urgent=self._urgent, parts=job.parts)
         probe = IdleProbe.open() if background and self.throttle and jobs == 1 else None  # this thread's reads
         throttle = None if probe is None else Throttle(probe)
         if throttle is not None:
@@ -381,16 +367,11 @@ class BackgroundVerifier:
                     throttle.lift()
                 self._throttle_now = throttle
         try:
-            if job.parts:
-                from ckptverify.verifier.parts import stamp_parts_locked
+            from ckptverify.verifier.parts import stamp_parts_locked
 
-                try:
-                    return stamp_parts_locked(job.path, step=job.step, jobs=jobs, deep=job.options.verify.deep,
-                                              settle=self.settle, throttle=throttle)
-                finally:
-                    job.lock.release()
-            return verify_and_stamp(job.path, step=job.step, jobs=jobs, deep=job.options.verify.deep,
-                                    settle=self.settle, lock=job.lock, throttle=throttle)
+            verify = stamp_parts_locked if job.parts else stamp_locked
+            return verify(job.path, step=job.step, jobs=jobs, deep=job.options.verify.deep, settle=self.settle,
+                          throttle=throttle)
         finally:
             if throttle is not None:
                 with self._cond:
@@ -416,19 +397,21 @@ class BackgroundVerifier:
             _guarded("the on_verified callback", job.options.on_verified, result)
 
     def _cut_short(self, left: list[_Job], timeout: float | None) -> None:
+        why = f"not verified within the {timeout} s waited"
+        unsaid = []  # a task with a cut_short says it itself
         for job in left:
             if job.task is not None and job.task.cut_short is not None:
-                _guarded(f"reporting the cut-short verification of {job.path}", job.task.cut_short,
-                         f"not verified within the {timeout} s waited")
-        left = [j for j in left if j.task is None or j.task.cut_short is None]
-        if not left:
+                _guarded(f"reporting the cut-short verification of {job.path}", job.task.cut_short, why)
+            else:
+                unsaid.append(job)
+        if not unsaid:
             return
-        names = ", ".join(j.path for j in left)
-        warnings.warn(f"{len(left)} checkpoint verification(s) not finished after waiting {timeout} s: {names}; "
+        names = ", ".join(j.path for j in unsaid)
+        warnings.warn(f"{len(unsaid)} checkpoint verification(s) not finished after waiting {timeout} s: {names}; "
                       "they carry no stamp and are verified when a resume picks them", CkptVerifyWarning,
                       stacklevel=3)
-        for job in left:
-            cut = _unverified(job, "cut-short", f"not verified within the {timeout} s waited")
+        for job in unsaid:
+            cut = _unverified(job, "cut-short", why)
             _emit(job.events, event_of(cut), cut)
 
     def _forget_in_child(self) -> None:

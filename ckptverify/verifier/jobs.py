@@ -18,7 +18,7 @@ from ckptverify.verifier.saved import saved_job
 from ckptverify.verifier.stamper import stamp_locked
 from ckptverify.verifier.throttle import Throttle
 
-__all__ = ["CHECK_SAVED", "JOBS", "STAMP", "VERIFY_PART", "run_job", "stamp_job"]
+__all__ = ["CHECK_SAVED", "JOBS", "STAMP", "VERIFY_PART", "job_function", "run_job", "stamp_job"]
 
 STAMP = "stamp"
 CHECK_SAVED = "check-saved"
@@ -56,10 +56,18 @@ JOBS: dict[str, Callable[..., Any]] = {
 }
 
 
-def run_job(job: str, args: dict[str, Any], throttle: Throttle | None = None) -> Any:
-    """Run the job named ``job`` with ``args``, reads paced by ``throttle``;
-    :class:`~ckptverify.errors.UsageError` when there is no such job."""
-    function = JOBS.get(job)
+def job_function(job: object) -> Callable[..., Any]:
+    """The function that runs the job named ``job``; :class:`~ckptverify.errors.UsageError` when there is none."""
+    function = JOBS.get(job) if isinstance(job, str) else None
     if function is None:
         raise UsageError(f"no such verification job: {job!r} (known: {', '.join(sorted(JOBS))})")
+    return function
+
+
+def run_job(job: object, args: object, throttle: Throttle | None = None) -> Any:
+    """Run the job named ``job`` with ``args`` (a JSON object), reads paced by ``throttle``;
+    :class:`~ckptverify.errors.UsageError` when there is no such job or ``args`` is not an object."""
+    function = job_function(job)
+    if not isinstance(args, dict):
+        raise UsageError(f"the arguments of {job} are not an object: {type(args).__name__}")
     return function(**args, throttle=throttle)

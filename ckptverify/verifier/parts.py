@@ -102,9 +102,8 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
         checked, deep = _recorded(root, frozenset(files), jobs, deep=True)
     report, adoption = _part_checks(root, frozenset(files), jobs, plan.get("fingerprint", False), checked)
     changed = _signatures(root, files) != before
-    data = {"schema": PART_SCHEMA, "save_id": plan["save_id"], "node": node, "host": mine.get("host"),
-            "ranks": mine.get("ranks"), "files": files, "passed": report.passed, "changed": changed,
-            "signatures": before, "bytes": int(report.stats.get("bytes") or 0),
+    data = {"schema": PART_SCHEMA, "save_id": plan["save_id"], **_whose(mine), "passed": report.passed,
+            "changed": changed, "signatures": before, "bytes": int(report.stats.get("bytes") or 0),
             "seconds": round(time.perf_counter() - started, 6), "report": report.to_dict()}
     data.update((k, v) for k, v in (("adoption", adoption), ("deep", deep)) if v is not None)
     try:
@@ -112,6 +111,12 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
     except OSError as exc:
         return {"written": False, "why": f"cannot write the part verdict: {type(exc).__name__}: {exc}"}
     return {"written": True, "node": node, "passed": report.passed, "bytes": data["bytes"]}
+
+
+def _one_dcp(root: str) -> bool:
+    """Whether ``root`` is one DCP checkpoint (:func:`~ckptverify.ownfiles.partsplan.dcp_folders` gives ``[""]``), not
+    a folder of them whose parts name files ``SUB/FILE``."""
+    return os.path.isfile(os.path.join(root, ".metadata"))
 
 
 def _committed(root: str) -> bool:
@@ -139,10 +144,9 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any,
 
         empty = Report(command="verify", target=root, findings=(), stats={"bytes": 0, "files": 0, "opened": []})
         return checked or empty, None
-    folder = not os.path.isfile(os.path.join(root, ".metadata"))
     # In a folder of checkpoint files the parts' files are DCP-folder shards ``SUB/FILE``: a manifest there
     # is a former save's (the top's files are the coordinator's).
-    manifests = [f"{sub}/{MANIFEST_FILE}" for sub in by_subfolder(files)] if folder else [MANIFEST_FILE]
+    manifests = [MANIFEST_FILE] if _one_dcp(root) else [f"{sub}/{MANIFEST_FILE}" for sub in by_subfolder(files)]
     stale = fingerprint == "auto" and any(os.path.lexists(os.path.join(root, m)) for m in manifests)
     if fingerprint is not True and not stale:
         report = checked if checked is not None else verify_part(root, jobs=jobs, only=files)
@@ -157,7 +161,7 @@ def _recorded(root: str, files: frozenset[str], jobs: int, deep: bool) -> tuple[
     from ckptverify.audit.verify import each_shard_folder
     from ckptverify.cluster.recorded import record
 
-    if os.path.isfile(os.path.join(root, ".metadata")):
+    if _one_dcp(root):
         return record(root, files, jobs, deep)
     report, by_sub = each_shard_folder(root, files, "verify" if deep else "fingerprint", lambda where, names: (
         dataclasses.replace((got := record(where, names, jobs, deep))[0], stats={**got[0].stats,
@@ -169,10 +173,14 @@ def _part_summary(data: dict[str, Any], report: Any) -> dict[str, Any]:
     """A part as its stamp records it; ``failed_files``: its files that an error names."""
     files = set(data.get("files") or [])
     failed = sorted({f.location.file for f in report.errors if f.location.file in files})
-    return {"node": data.get("node"), "host": data.get("host"), "ranks": data.get("ranks"),
-            "files": data.get("files"), "bytes": data.get("bytes"), "seconds": data.get("seconds"),
+    return {**{k: data.get(k) for k in ("node", "host", "ranks", "files", "bytes", "seconds")},
             "opened": report.stats.get("opened"),
             "verdict": "failed" if failed or not report.passed else "passed", "failed_files": failed}
+
+
+def _whose(node: dict[str, Any]) -> dict[str, Any]:
+    """Who wrote a part, from its node in the plan (not from what a verdict file claims): as stamps record it."""
+    return {"node": node["node"], "host": node.get("host"), "ranks": node.get("ranks"), "files": node["files"]}
 
 
 def _describe_node(node: dict[str, Any]) -> str:
@@ -217,7 +225,6 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             with pacing(throttle):
                 mine = verify_part(path, jobs=jobs or 1, skip=other_files)
         reports: list[tuple[dict[str, Any], Report]] = []
-        missing: list[dict[str, Any]] = []
         deadline = time.monotonic() + (part_timeout() if wait_s is None else wait_s)
         waiting = {n["node"]: n for n in others}
         got: dict[int, dict[str, Any]] = {}
@@ -232,7 +239,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             if removed(path):
                 return unverified(path, step, "deleted", GONE)
             time.sleep(_POLL_SECONDS)
-        missing = [waiting[k] for k in sorted(waiting)]
+        missing: list[dict[str, Any]] = [waiting[k] for k in sorted(waiting)]
         changed = False
         for k in sorted(got):
             node = next(n for n in others if n["node"] == k)
@@ -248,7 +255,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             for sub, r in theirs.items():
                 records.setdefault(sub, []).extend(r)
             # The plan, not the verdict file, says whose files these are.
-            data = {**got[k], "node": k, "host": node.get("host"), "ranks": node.get("ranks"), "files": node["files"]}
+            data = {**got[k], **_whose(node)}
             # A part read its files at another time than this side: they must be the files it read.
             changed = changed or bool(data.get("changed")) or _signatures(path, node["files"]) \
                 != data.get("signatures")
@@ -285,8 +292,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     if moved is not None:
         return moved
     for n in missing:  # a failed checkpoint is stamped failed; what was not checked is said with it
-        parts.append({"node": n["node"], "host": n.get("host"), "ranks": n.get("ranks"), "files": n["files"],
-                      "verdict": "unreported"})
+        parts.append({**_whose(n), "verdict": "unreported"})
     verdict = stamp(path, step, merged, before, started, throttle, parts=parts)
     if verdict.stamped:
         _tidy_parts(path, nodes)
@@ -300,7 +306,7 @@ def _part_records(path: str, data: Any, files: list[str] | frozenset[str],
     from ckptverify.audit.verify import by_subfolder
     from ckptverify.cluster.recorded import records_of
 
-    if os.path.isfile(os.path.join(path, ".metadata")):
+    if _one_dcp(path):
         mine, got = {"": frozenset(files)}, {"": data}
     else:  # a folder of checkpoint files: by its DCP folders
         mine, got = by_subfolder(frozenset(files)), data.get("folders") if isinstance(data, dict) else None
@@ -376,8 +382,7 @@ def _summarize(path: str, nodes: list[dict[str, Any]], mine: Any, reports: list[
     from ckptverify.findings import Report, error, merge_reports
 
     own = nodes[0]
-    own_data = {"node": own["node"], "host": own.get("host"), "ranks": own.get("ranks"), "files": own["files"],
-                "bytes": int(mine_bytes or 0), "seconds": mine.stats.get("seconds")}
+    own_data = {**_whose(own), "bytes": int(mine_bytes or 0), "seconds": mine.stats.get("seconds")}
     parts = [_part_summary(own_data, mine), *(_part_summary(d, r) for d, r in reports)]
     named: list[Any] = []
     for k, part in enumerate(parts):
@@ -406,7 +411,7 @@ def _adopt(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]
     :func:`_adopt_folder`."""
     from ckptverify.audit.adopt import fingerprint_checkpoint
 
-    if not os.path.isfile(os.path.join(path, ".metadata")):
+    if not _one_dcp(path):
         return _adopt_folder(path, jobs, reports, scanned, read_all)
     parts, records = [], []
     for data, part in reports:

@@ -58,14 +58,11 @@ def cannot_verify(path: str, why: str, step: int | None = None, seconds: float =
 def _has_manifest(root: str) -> bool:
     from ckptverify.audit.adopt import file_manifest_path
     from ckptverify.ownfiles.manifest import MANIFEST_FILE
+    from ckptverify.ownfiles.partsplan import dcp_folders
 
     if os.path.isdir(root) and not os.path.islink(root):
-        from ckptverify.ownfiles.partsplan import dcp_folders
-
         # The DCP folders inside a folder of checkpoint files (an FSDP save) have manifests of their own.
-        where = dcp_folders(root)
-        inside = [] if where == [""] else where
-        return any(os.path.lexists(os.path.join(root, sub, MANIFEST_FILE)) for sub in ["", *inside])
+        return any(os.path.lexists(os.path.join(root, sub, MANIFEST_FILE)) for sub in {"", *dcp_folders(root)})
     return os.path.lexists(file_manifest_path(root))
 
 

@@ -89,25 +89,23 @@ class VerifyingLock:
 
 
 def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, deep: bool = False,
-                     settle: float = SETTLE_SECONDS, lock: VerifyingLock | None = None,
-                     throttle: Throttle | None = None) -> Verification:
+                     settle: float = SETTLE_SECONDS) -> Verification:
     """Verify ``path`` and stamp the verdict beside it (see the module docstring).
 
     Returns a :class:`~ckptverify.verifier.verification.Verification`: ``passed``/``failed`` (unstamped if
     ``stamped`` is false, ``reason`` saying why; the verdict stands), or ``unverified`` with ``no_verdict``
-    ``deleted``, ``changed``, ``error`` or ``busy``. ``lock``: already held by the caller (released here); else taken
-    here. ``throttle``: see :func:`stamp_locked`.
+    ``deleted``, ``changed``, ``error`` or ``busy`` (the verifying lock is held elsewhere).
     """
-    own = lock if lock is not None else VerifyingLock(path)
+    own = VerifyingLock(path)
     try:
-        if not own.held and not own.acquire():
+        if not own.acquire():
             return unverified(path, step, "busy", "another process is verifying it", deep=deep)
-        return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle, throttle=throttle)
+        return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle)
     except OSError as exc:
         # Gone: no verdict. No lock possible (read-only, foreign file): verify anyway; the verdict stands unstamped.
         if own.held or isinstance(exc, FileNotFoundError):
             return unreadable(path, step, exc, deep=deep)
-        return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle, throttle=throttle)
+        return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle)
     finally:
         own.release()
 

@@ -28,7 +28,6 @@ __all__ = [
     "IdleProbe",
     "Throttle",
     "env_number",
-    "min_free_cores",
     "next_pause",
     "parse_proc_stat",
     "throttle_enabled",
@@ -77,11 +76,6 @@ def env_number(name: str, default: float, environ: dict[str, str] | None = None,
         warnings.warn(f"{name}={raw!r} is not a non-negative number; using {default}", CkptVerifyWarning,
                       stacklevel=3)
     return default
-
-
-def min_free_cores(environ: dict[str, str] | None = None) -> float:
-    """Idle cores a verification needs to read on (:data:`MIN_FREE_ENV`, else :data:`MIN_FREE_CORES`)."""
-    return env_number(MIN_FREE_ENV, MIN_FREE_CORES, environ)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +208,8 @@ def _read_run_delay() -> float | None:
 class Throttle:
     """Paces one verification's reads (called with each read's size, from the reading thread).
 
-    Waits while fewer than ``min_free`` cores are idle, looking at the first read and every ``window`` seconds.
+    Waits while fewer than ``min_free`` cores (default: :data:`MIN_FREE_ENV`, else :data:`MIN_FREE_CORES`) are idle,
+    looking at the first read and every ``window`` seconds.
     Every ``check`` seconds it reads its ``run_delay``: a ``preempted`` share means another task wanted the core, and
     it backs off at once rather than fill each gap between parallel regions. Waits go ``first`` doubling to
     ``longest``; ``throttled_s`` sums them. ``probe`` ``None``: never waits. Once ``lifted()`` says ``True``,
@@ -228,7 +223,7 @@ class Throttle:
                  run_delay: Callable[[], float | None] = _read_run_delay,
                  on_lift: Callable[[], None] | None = None) -> None:
         self.probe = probe
-        self.min_free = min_free_cores() if min_free is None else min_free
+        self.min_free = env_number(MIN_FREE_ENV, MIN_FREE_CORES) if min_free is None else min_free
         self.window = window
         self.first = first
         self.longest = longest

@@ -223,7 +223,7 @@ def _count(state: RunState, event: str, step: int | None, stamped: bool = True) 
 
 
 def _pass(root: str, *, jobs: int | None, deep: bool, settle: float, quiet: float,
-          known: dict[str, _Known] | None, retry: float) -> tuple[list[dict[str, Any]], RunState]:
+          known: dict[str, _Known], retry: float) -> tuple[list[dict[str, Any]], RunState]:
     """One pass: verify and stamp every finished, unstamped (or stale) checkpoint; report failed stamps. One result per
     checkpoint acted on: ``verified``, ``failed``, ``deleted``, ``changed`` or ``error``; ``verified``/``failed`` carry
     ``stamped`` (``false`` with ``stamp_error`` when unwritable; the verdict stands). ``known``: unstamped verdicts and
@@ -243,14 +243,13 @@ def _pass(root: str, *, jobs: int | None, deep: bool, settle: float, quiet: floa
             continue
         stamp = read_stamp(path)
         if stamp is not None and stamp.current:
-            if known is not None:
-                known.pop(cand.path, None)
+            known.pop(cand.path, None)
             _count(state, "verified" if stamp.passed else "failed", cand.step)
             if not stamp.passed:
                 out.append({"event": "failed", "path": cand.path, "step": cand.step, "state": "corrupt",
                             "stamped": True, "checked_at": stamp.data.get("checked_at")})
             continue
-        memory = known.get(cand.path) if known is not None else None
+        memory = known.get(cand.path)
         if memory is not None:
             unchanged = _fingerprint(path) == memory.fingerprint
             event = memory.result["event"]
@@ -262,15 +261,13 @@ def _pass(root: str, *, jobs: int | None, deep: bool, settle: float, quiet: floa
             state.pending += 1  # someone else is verifying it
             continue
         _count(state, result["event"], cand.step, stamped=result.get("stamped", True))
-        if known is not None:
-            if fingerprint and result["event"] in ("verified", "failed", "error"):
-                known[cand.path] = _Known(fingerprint, result, retry_at=time.monotonic() + retry)
-            else:
-                known.pop(cand.path, None)
+        if fingerprint and result["event"] in ("verified", "failed", "error"):
+            known[cand.path] = _Known(fingerprint, result, retry_at=time.monotonic() + retry)
+        else:
+            known.pop(cand.path, None)
         out.append(result)
-    if known is not None:
-        for gone in set(known) - seen:
-            del known[gone]
+    for gone in set(known) - seen:
+        del known[gone]
     return out, state
 
 

@@ -32,8 +32,10 @@ PRIORITIES = ("idle", "low", "normal")
 
 def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = None,
           priority: _Priority | None = None) -> None:
-    """Answer each request line of ``requests`` with one line on ``replies``. ``hurried(seq)``: whether the parent asked
-    for full speed; ``priority``: set per request."""
+    """Answer each request line of ``requests`` with one line on ``replies``: ``{"result": ...}`` or ``{"call_error":
+    ...}`` (:func:`~ckptverify.verifier.jobs.run_job`). ``hurried(seq)``: whether the parent asked for full speed;
+    ``priority``: set per request."""
+    from ckptverify.verifier.jobs import run_job
 
     def reply(answer: dict[str, Any]) -> None:
         replies.write(json.dumps(answer, default=str) + "\n")
@@ -48,7 +50,10 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
             continue
         if priority is not None:
             priority.for_request(bool(req.get("urgent")))
-        answer = _run_job(job, req.get("args") or {}, _throttle(req, hurried, priority))
+        try:
+            answer = {"result": run_job(job, req.get("args") or {}, _throttle(req, hurried, priority))}
+        except Exception as exc:  # one request's failure is its answer; the process serves the next one
+            answer = {"call_error": f"{type(exc).__name__}: {exc}"}
         reply({**answer, "seq": req.get("seq")})
 
 
@@ -109,20 +114,6 @@ def _throttle(req: dict[str, Any], hurried: Callable[[int], bool] | None,
     if probe is None and not (low and asked is not None):
         return None
     return Throttle(probe, lifted=asked, on_lift=None if priority is None else priority.raise_)
-
-
-def _run_job(job: object, args: object, throttle: Throttle | None = None) -> dict[str, Any]:
-    """Run job ``job`` with ``args``, reads paced by ``throttle``: ``{"result": ...}`` or ``{"call_error": ...}``."""
-    from ckptverify.verifier.jobs import JOBS, run_job
-
-    if not isinstance(job, str) or job not in JOBS:
-        return {"call_error": f"no such verification job: {job!r}"}
-    if not isinstance(args, dict):
-        return {"call_error": f"the arguments of {job} are not an object: {type(args).__name__}"}
-    try:
-        return {"result": run_job(job, args, throttle)}
-    except Exception as exc:  # one request's failure is its answer; the process serves the next one
-        return {"call_error": f"{type(exc).__name__}: {exc}"}
 
 
 def _hurry_reader(raw: str | None) -> Callable[[int], bool] | None:
@@ -218,65 +209,48 @@ class VerifierProcess:
     def verify(self, path: str, step: int | None, deep: bool, jobs: int, settle: float,
                throttle: Callable[[], bool] | None = None, urgent: Callable[[], bool] | None = None,
                parts: bool = False) -> Verification:
-        """Have ``path`` verified and stamped (the ``stamp`` job; ``throttle``/``urgent``: see :meth:`_ask`;
-        ``parts``: see :func:`~ckptverify.verifier.parts.stamp_parts_locked`)."""
+        """Have ``path`` verified and stamped (the ``stamp`` job; ``throttle``/``urgent``: see :meth:`run`;
+        ``parts``: see :func:`~ckptverify.verifier.parts.stamp_parts_locked`); no answer is no verdict."""
         from ckptverify.verifier.jobs import STAMP
 
-        data, why = self._ask({"job": STAMP, "args": {"path": path, "step": step, "deep": deep, "jobs": jobs,
-                                                      "settle": settle, "parts": parts}}, throttle, urgent)
-        if data is None:
-            return unverified(path, step, "error", why, deep=deep)
-        if "call_error" in data:
-            return unverified(path, step, "error", f"the verification itself failed: {data['call_error']}",
-                              deep=deep)
+        args = {"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle, "parts": parts}
         try:
-            return Verification.from_dict(data.get("result"))
-        except TypeError:
-            return unverified(path, step, "error", "the verifier process gave an answer that is not a verification",
-                              deep=deep)
+            return Verification.from_dict(self.run(STAMP, args, throttle, urgent))
+        except (RuntimeError, TypeError) as exc:  # TypeError: an answer that is not a verification
+            return unverified(path, step, "error", str(exc), deep=deep)
 
     def run(self, job: str, args: dict[str, Any], throttle: Callable[[], bool] | None = None,
             urgent: Callable[[], bool] | None = None) -> Any:
         """Run job ``job`` with ``args`` in the process and return its result; ``RuntimeError`` if no answer or it
-        raised."""
-        data, why = self._ask({"job": job, "args": args}, throttle, urgent)
-        if data is None:
-            raise RuntimeError(why)
-        if "result" not in data:
-            raise RuntimeError(f"{job} failed in the verifier process: {data.get('call_error')}")
-        return data["result"]
-
-    def _ask(self, request: dict[str, Any], throttle: Callable[[], bool] | None,
-             urgent: Callable[[], bool] | None) -> tuple[dict[str, Any] | None, str]:
-        """Send one request and read its answer: ``(answer, "")`` or ``(None, why)``. ``throttle``/``urgent`` are asked
-        once the process runs (so a :meth:`hurry` reaches it)."""
+        raised. ``throttle``/``urgent`` are asked once the process runs (so a :meth:`hurry` reaches it)."""
         try:
             proc = self._start()
             assert proc.stdin is not None and proc.stdout is not None
             with self._hurry_lock:  # from now on a hurry names this request
                 self._seq += 1
                 seq = self._seq
-            sent = {**request, "throttle": bool(throttle and throttle()), "urgent": bool(urgent and urgent()),
-                    "seq": seq}
+            sent = {"job": job, "args": args, "throttle": bool(throttle and throttle()),
+                    "urgent": bool(urgent and urgent()), "seq": seq}
             proc.stdin.write(json.dumps(sent) + "\n")
             proc.stdin.flush()
             line = proc.stdout.readline()
         except OSError as exc:  # could not start it, or it died as the request went out
             self.close(now=True)
-            return None, f"the verifier process failed: {type(exc).__name__}: {exc}"
+            raise RuntimeError(f"the verifier process failed: {type(exc).__name__}: {exc}") from None
         try:
             data = json.loads(line) if line else None
         except ValueError:
             data = None
         if not isinstance(data, dict):
             self.close(now=True)
-            code = proc.poll()
-            return None, f"the verifier process ended without an answer (exit code {code})"
-        if "protocol_error" not in data and data.pop("seq", None) != sent["seq"]:
+            raise RuntimeError(f"the verifier process ended without an answer (exit code {proc.poll()})")
+        if "protocol_error" not in data and data.pop("seq", None) != seq:
             # an answer to another request: out of step, so no later answer can be trusted either
             self.close(now=True)
-            return None, "the verifier process answered another request"
-        return data, ""
+            raise RuntimeError("the verifier process answered another request")
+        if "result" not in data:
+            raise RuntimeError(f"{job} failed in the verifier process: {data.get('call_error')}")
+        return data["result"]
 
     def close(self, *, now: bool = False) -> None:
         """Let the process end (end of its input; killed after 10 s), or with ``now`` end it at once."""

@@ -30,7 +30,6 @@ from ckptverify.verifier.throttle import (
     CpuTimes,
     IdleProbe,
     Throttle,
-    min_free_cores,
     next_pause,
     parse_proc_stat,
     throttle_enabled,
@@ -189,8 +188,11 @@ def test_back_off_reads_on_when_a_core_is_idle_or_nothing_is_known(free: float |
 def test_the_throttle_switches_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert throttle_enabled({}) and throttle_enabled({THROTTLE_ENV: "1"})
     assert not any(throttle_enabled({THROTTLE_ENV: v}) for v in ("0", "off", "False", " no "))
-    assert min_free_cores({}) == 0.5 and min_free_cores({MIN_FREE_ENV: "1.5"}) == 1.5
-    assert min_free_cores({MIN_FREE_ENV: "many"}) == 0.5 and min_free_cores({MIN_FREE_ENV: "-1"}) == 0.5
+    monkeypatch.delenv(MIN_FREE_ENV, raising=False)
+    assert Throttle(None).min_free == 0.5
+    for raw, want in (("1.5", 1.5), ("many", 0.5), ("-1", 0.5)):
+        monkeypatch.setenv(MIN_FREE_ENV, raw)
+        assert Throttle(None).min_free == want
     monkeypatch.setenv(THROTTLE_ENV, "0")
     assert BackgroundVerifier().throttle is False
     assert BackgroundVerifier(throttle=True).throttle is True
