@@ -23,17 +23,16 @@ from ckptverify.checks.dcp_pipeline import (
     changed_under,
     default_jobs,
 )
-from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, FileChangedError, UsageError
+from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, FileChangedError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage, merge_reports
 from ckptverify.fingerprint.nonfinite import counts_kept
 from ckptverify.ownfiles.manifest import (
     DEFAULT_BLOCK_BYTES,
     MANIFEST_FILE,
-    MAX_BLOCK_BYTES,
-    MIN_BLOCK_BYTES,
     FileEntry,
     Manifest,
     TensorEntry,
+    check_settings,
     write_manifest,
 )
 from ckptverify.safeparse import paths
@@ -58,13 +57,8 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     regular file), ``ValueError`` (parts cannot be merged),
     :class:`~ckptverify.errors.UsageError` (bad arguments).
     """
-    from ckptverify.fingerprint import ALGORITHMS
-
     root = os.fspath(path)
-    if digest not in ALGORITHMS:
-        raise UsageError(f"unknown digest {digest!r}; choose one of {', '.join(ALGORITHMS)}")
-    if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
-        raise UsageError(f"--block-bytes must be in [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}], got {block_bytes}")
+    check_settings(digest, block_bytes)
     single = paths.lexists(root) and not paths.isdir(root)
     manifest_path = os.path.join(root, MANIFEST_FILE) if not single else file_manifest_path(root)
     if paths.lexists(manifest_path) and (single or paths.isdir(root)):

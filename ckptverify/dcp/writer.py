@@ -47,19 +47,17 @@ from ckptverify.fingerprint import (
     part_fingerprints,
 )
 from ckptverify.fingerprint.device import FingerprintStreams
-from ckptverify.fingerprint.digest import digest_maker
 from ckptverify.fingerprint.logical import BlockwiseFingerprint, blockwise_fingerprint, chunk_fingerprint_counted
 from ckptverify.fingerprint.nonfinite import nonfinite_counts as _nonfinite_counts
 from ckptverify.fingerprint.subclass import is_wrapper_subclass
 from ckptverify.ownfiles.manifest import (
     DEFAULT_BLOCK_BYTES,
     MANIFEST_FILE,
-    MAX_BLOCK_BYTES,
-    MIN_BLOCK_BYTES,
     FileEntry,
     ItemEntry,
     Manifest,
     TensorEntry,
+    check_settings,
     write_manifest,
 )
 from ckptverify.safeparse.gcpause import paused_gc
@@ -510,12 +508,7 @@ class HashingFileSystemWriter(FileSystemWriter):
         fingerprint: bool = True,
         **kwargs: Any,
     ) -> None:
-        digest_maker(digest)  # refuses an unknown one before anything is written
-        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
-            raise UsageError(f"block size must be a positive number of bytes, got {block_bytes!r}")
-        if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
-            # verify refuses a manifest with other block sizes: never write one
-            raise UsageError(f"block size must be in [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}] bytes, got {block_bytes}")
+        check_settings(digest, block_bytes)
         super().__init__(path, **kwargs)
         self.digest = digest
         self.block_bytes = block_bytes

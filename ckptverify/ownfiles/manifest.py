@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptverify.errors import ManifestError
+from ckptverify.errors import ManifestError, UsageError
+from ckptverify.fingerprint.digest import digest_maker
 from ckptverify.ownfiles.names import MANIFEST_FILE, MANIFEST_TEMP_PREFIX, write_atomic
 from ckptverify.safeparse import safejson
 from ckptverify.safeparse.paths import safe_relative_path
@@ -26,6 +27,18 @@ DEFAULT_BLOCK_BYTES = 1 << 20
 #: Smallest and largest ``block_bytes`` accepted (on writing and on reading): one digest per 4 KiB at most.
 MIN_BLOCK_BYTES = 4 << 10
 MAX_BLOCK_BYTES = 1 << 30
+
+
+def check_settings(digest: str, block_bytes: Any) -> None:
+    """:class:`~ckptverify.errors.UsageError` unless a manifest written with ``digest`` and ``block_bytes`` is one
+    verify accepts (checked before anything is written)."""
+    digest_maker(digest)
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) \
+            or not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
+        raise UsageError(f"block size must be a whole number of bytes in [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}], "
+                         f"got {block_bytes!r}")
+
+
 #: A manifest larger than this is refused unread (1 MiB blocks of a 4 TiB checkpoint take about 160 MB).
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_WORLD_SIZE = 1 << 20
