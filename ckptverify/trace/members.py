@@ -4,15 +4,15 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from itertools import accumulate
 from operator import xor
 from typing import Any
 
 import xxhash
 
-from ckptverify.trace.category import HostViews, combine, device_digests, signature, weight
+from ckptverify.trace.category import HostViews, combine, device_digests, digest_lanes, signature, weight
 from ckptverify.trace.readback import (
-    _MASK64,
     Item,
     _digests_later,
     _has_parts,
@@ -108,12 +108,12 @@ class _Digester:
 
 
 def _category_cells(group: str, kind: str, names: list[str], weights: list[int], encodings: list[str],
-                    digests: list[int], detail: str) -> list[Cell]:
-    """One cell per member at detail ``tensor``, then the category cell."""
+                    digests: list[int], detail: str,
+                    lanes: Callable[[int], tuple[int, int]] = digest_lanes) -> list[Cell]:
+    """One cell per member at detail ``tensor`` (its lanes: ``lanes`` of its digest), then the category cell."""
     cells: list[Cell] = []
     if detail == "tensor":
-        cells = [Cell(n, kind, (d >> 64, d & _MASK64), e, "", group)
-                 for n, d, e in zip(names, digests, encodings, strict=True)]
+        cells = [Cell(n, kind, lanes(d), e, "", group) for n, d, e in zip(names, digests, encodings, strict=True)]
     cells.append(Cell(group, kind, combine(digests, weights), "set128"))
     return cells
 
