@@ -93,6 +93,15 @@ MAX_SITES = 1 << 20
 MAX_CHUNK_BYTES = 256 << 20
 MAX_METADATA_BYTES = 256 << 20
 
+#: Rows read at once (compared, or cached for cells looked up one by one), capped in bytes for wide traces.
+BLOCK_ROWS = 256
+BLOCK_BYTES = 64 << 20
+
+
+def block_rows(width: int) -> int:
+    """How many rows of ``width`` sites to read at once (17 bytes a cell)."""
+    return max(1, min(BLOCK_ROWS, BLOCK_BYTES // (17 * max(1, width))))
+
 
 def _torch_version() -> str:
     try:
@@ -669,10 +678,6 @@ def _zstd(raw: bytes, size: int, where: Path) -> bytes:
 class Trace:
     """A trace store opened for reading. Use :func:`open_trace`."""
 
-    #: Rows read at once (and cached) when cells are looked up one by one, and the most bytes they may take.
-    _BLOCK = 256
-    _BLOCK_BYTES = 64 << 20
-
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         if not is_store(self.path):
@@ -763,7 +768,7 @@ class Trace:
 
     def _row(self, row: int) -> tuple[np.ndarray, np.ndarray]:
         if self._cache is None or not self._cache[0] <= row < self._cache[0] + self._cache[1].shape[0]:
-            block = max(1, min(self._BLOCK, self._BLOCK_BYTES // (17 * max(1, self._width))))
+            block = block_rows(self._width)
             base = row - row % block
             values, present = self.rows(base, base + block)
             self._cache = (base, values, present)
