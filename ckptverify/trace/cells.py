@@ -89,23 +89,15 @@ def _value_item(site: str, kind: str, obj: Any, info: str = "") -> Item:
     return _digests_later([t.detach() for t in leaves], finish)[0]
 
 
-class _Slot:
-    """A tensor's place in a :func:`_skeleton`: its dtype and shape, its digest to come."""
-
-    __slots__ = ("dtype", "shape")
-
-    def __init__(self, dtype: str, shape: list[int]) -> None:
-        self.dtype, self.shape = dtype, shape
-
-
 def _skeleton(obj: Any) -> Any:
-    """``obj`` as :func:`_summary` walks it, each tensor a :class:`_Slot`."""
+    """``obj`` as :func:`_summary` walks it, each tensor a tuple ``(dtype, shape)``, its digest to come (no other
+    tuple is left: sequences become lists)."""
     import torch
 
     from ckptverify.fingerprint import kernels as kern
 
     if isinstance(obj, torch.Tensor):
-        return _Slot(kern.dtype_name(obj.dtype), list(obj.shape))
+        return kern.dtype_name(obj.dtype), list(obj.shape)
     if isinstance(obj, Mapping):
         return {str(k): _skeleton(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
@@ -115,8 +107,8 @@ def _skeleton(obj: Any) -> Any:
 
 def _filled(skeleton: Any, digests: Any) -> Any:
     """What :func:`_summary` gives for ``skeleton``'s object, tensor digests taken from ``digests`` in walk order."""
-    if type(skeleton) is _Slot:
-        return {"digest": f"{next(digests):032x}", "dtype": skeleton.dtype, "shape": skeleton.shape}
+    if type(skeleton) is tuple:
+        return {"digest": f"{next(digests):032x}", "dtype": skeleton[0], "shape": skeleton[1]}
     if isinstance(skeleton, dict):
         return {k: _filled(v, digests) for k, v in skeleton.items()}
     if isinstance(skeleton, list):

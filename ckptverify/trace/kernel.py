@@ -323,15 +323,11 @@ def _settings() -> dict[str, Any]:
     }
 
 
-def _base_name(op: torch._ops.OpOverload) -> str:
-    """The op's name without namespace and overload, and without the in-place ``_`` of ``index_add_``."""
-    name = _name(op)
-    return name[:-1] if name.endswith("_") and not name.endswith("__") and name[:-1] else name
-
-
 def mechanism_of(op: torch._ops.OpOverload, device: str, settings: Mapping[str, Any]) -> str:
     """The documented mechanism that makes ``op`` nondeterministic on ``device`` (a key of :data:`MECHANISMS`)."""
-    name = _base_name(op)
+    name = _name(op)
+    if name.endswith("_") and not name.endswith("__") and name[:-1]:
+        name = name[:-1]  # in place: index_add_ is index_add
     kind = device.split(":", 1)[0]
     atomics = _ATOMICS.get(kind, frozenset())
     if name in atomics or name.rstrip("_") in atomics:

@@ -218,7 +218,8 @@ class StepTracer:
         self._counter: Counter[tuple[int, ...]] = Counter()
         self._digests = _Digests()
         self._mode: Any = None
-        self._active = False
+        #: A step is begun and not yet ended.
+        self.active = False
         self._kernels = False
         self._hooks: list[Any] = []
         self.step = 0
@@ -270,7 +271,7 @@ class StepTracer:
             ctx.optimizer = max(0, ctx.optimizer - 1)
 
         self._hooks = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
-        self._active = True
+        self.active = True
         if self.ops_on:
             self._mode = _mode_class()(self)
             self._mode.__enter__()
@@ -280,13 +281,9 @@ class StepTracer:
                 self._kernels = True
             _ACTIVE = self
 
-    @property
-    def active(self) -> bool:
-        return self._active
-
     def close(self) -> None:
         """Leave a step begun and never ended; give up the collectives' kernels."""
-        if self._active:
+        if self.active:
             self.end()
         if self._kernels:
             self._kernels = False
@@ -302,7 +299,7 @@ class StepTracer:
             mode.__exit__(None, None, None)
         if _ACTIVE is self:
             _ACTIVE = None
-        self._active = False
+        self.active = False
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

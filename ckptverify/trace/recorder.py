@@ -81,7 +81,7 @@ class TraceRecorder:
             raise UsageError(f"trace header says rank {header.rank}, but this process is rank {rank}")
         if header.world_size is not None and header.world_size != world:
             raise UsageError(f"trace header says world size {header.world_size}, but the job has {world}")
-        self.header = header.with_rank(rank, world)
+        self.header = replace(header, rank=rank, world_size=world)
         self.level = self.header.level
         #: What the level records (each level includes the ones before it).
         self.records_state, self.records_comm, self.records_modules, self.records_ops = (

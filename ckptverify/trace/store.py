@@ -20,7 +20,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -170,9 +170,6 @@ class TraceHeader:
         if missing:
             raise CkptVerifyError(f"damaged trace header: no {', '.join(missing)}")
         return header
-
-    def with_rank(self, rank: int, world_size: int) -> TraceHeader:
-        return replace(self, rank=rank, world_size=world_size)
 
     def differences(self, other: TraceHeader, ignore: Iterable[str] = ("run",)) -> list[str]:
         """Names of the fields that differ, ``ignore`` aside; ``digest_encoding`` counts only when both are known."""
@@ -612,7 +609,11 @@ class _Array:
         if raw is None:
             return None
         if self.zstd:
-            raw = _zstd(raw, self.chunk_bytes, where)
+            # Decoded into exactly the chunk's size, which its frames must declare (so none inflates past it).
+            try:
+                raw = zstd_decompress(raw, self.chunk_bytes, exact=True)
+            except ValueError as exc:
+                raise CkptVerifyError(f"{where}: {exc}") from None
         if len(raw) != self.chunk_bytes:
             raise CkptVerifyError(f"{where}: {len(raw)} bytes, its array's chunks hold {self.chunk_bytes}")
         return np.frombuffer(raw, dtype=self.dtype).reshape(self.chunks)
@@ -665,14 +666,6 @@ class _Array:
                 continue
             out[dst] = chunk[src]
         return out
-
-
-def _zstd(raw: bytes, size: int, where: Path) -> bytes:
-    """``raw`` decoded into exactly ``size`` bytes, which its frames must declare (so none inflates past it)."""
-    try:
-        return zstd_decompress(raw, size, exact=True)
-    except ValueError as exc:
-        raise CkptVerifyError(f"{where}: {exc}") from None
 
 
 class Trace:
