@@ -11,10 +11,11 @@ import numpy as np
 import xxhash
 
 from ckptverify.errors import UsageError
+from ckptverify.fingerprint.spec import MASK64 as _MASK64
 from ckptverify.state.digest import state_digest
 from ckptverify.trace import category
 from ckptverify.trace.category import digest_lanes, host_digest, signature
-from ckptverify.trace.readback import _HOST_AS_DEVICE, _MASK64, _PLAIN_TYPES, Item, _Deferred, _digests_later, _on_host
+from ckptverify.trace.readback import _HOST_AS_DEVICE, _PLAIN_TYPES, Item, _Deferred, _digests_later, _on_host
 from ckptverify.trace.sites import is_dtensor, local_view
 from ckptverify.trace.store import Cell, bits_float, hex_lanes
 
@@ -30,7 +31,7 @@ def _tensor_item(site: str, kind: str, t: torch.Tensor, info: str = "") -> Item:
         return _tensor_cell(site, kind, t, info)
 
     def finish(digests: list[int]) -> list[Cell]:
-        return [Cell(site, kind, ((digests[0] >> 64), digests[0] & _MASK64), "fp128", info)]
+        return [Cell(site, kind, digest_lanes(digests[0]), "fp128", info)]
 
     return _digests_later([local.detach()], finish)[0]
 
@@ -40,7 +41,7 @@ def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
         if not t.requires_grad and t.is_contiguous():
             try:  # the common case (a batch, a module output without grad): no copy, no detach
                 d = xxhash.xxh3_128_intdigest(t.numpy()) ^ signature(t.dtype, tuple(t.shape))
-                return Cell(site, kind, (d >> 64, d & _MASK64), "digest128", info)
+                return Cell(site, kind, digest_lanes(d), "digest128", info)
             except TypeError:
                 pass  # a dtype numpy lacks
         return Cell(site, kind, digest_lanes(host_digest(t)), "digest128", info)
@@ -156,7 +157,7 @@ def _value_lanes(value: Any) -> tuple[int, int]:
     except (TypeError, ValueError):
         return hex_lanes(state_digest(_summary(value)))
     d = xxhash.xxh3_128_intdigest(b"J" + text.encode("utf-8", "surrogatepass"))
-    return d >> 64, d & _MASK64
+    return digest_lanes(d)
 
 
 def _scaler_item(site: str, kind: str, scaler: Any) -> Item:

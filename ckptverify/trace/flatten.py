@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from ckptverify.trace.category import digest_lanes
 from ckptverify.trace.cells import _SCALARS, _json, _value_lanes
 from ckptverify.trace.members import _Digester, _Members
-from ckptverify.trace.readback import _MASK64
 from ckptverify.trace.sites import _unwrap, local_view, non_persistent_buffers
 from ckptverify.trace.store import Cell
 
@@ -116,7 +116,7 @@ class _Leaves:
         if fixed is not None:
             try:
                 d = xxhash.xxh3_128_intdigest(b"L" + fixed + _json(live).encode("utf-8", "surrogatepass"))
-                return Cell(site, self.kind, (d >> 64, d & _MASK64), "digest128")
+                return Cell(site, self.kind, digest_lanes(d), "digest128")
             except (TypeError, ValueError):
                 pass  # a live value that is not plain data (a tensor learning rate): the general digest
         values = iter(live)

@@ -11,13 +11,12 @@ from typing import Any
 
 import xxhash
 
-from ckptverify.trace.category import HostViews, combine, device_digests, digest_lanes, signature, weight
+from ckptverify.trace.category import HostViews, combine, device_digests, digest_lanes, pair_digests, signature, weight
 from ckptverify.trace.readback import (
     Item,
     _digests_later,
     _has_parts,
     _on_host,
-    _pair_digests,
 )
 from ckptverify.trace.sites import _unwrap, canonical_name, is_dtensor, local_view
 from ckptverify.trace.store import Cell
@@ -94,7 +93,7 @@ class _Digester:
         """``digests`` with the device members' read-back lane sums ``values`` filled in."""
         out = list(digests)
         (members,) = self._device.values()
-        for i, d in zip(members, _pair_digests(values), strict=True):
+        for i, d in zip(members, pair_digests(values), strict=True):
             out[i] = d
         return out
 

@@ -25,11 +25,11 @@ import xxhash
 
 from ckptverify.ownfiles.names import own_folder, write_atomic
 from ckptverify.trace import kernel
-from ckptverify.trace.category import host_digest
+from ckptverify.trace.category import host_digest, pair_digests
 from ckptverify.trace.cells import _tensor_item
 from ckptverify.trace.comm import COMM_NAMESPACES, RECV, UNSET, _name, argument, bound, comm_info, comm_site, is_comm
 from ckptverify.trace.oplog import MAX_ARGUMENT_NAME, MAX_ARGUMENT_TEXT, OP_LOG_VERSION, CommInfo, OpWindow, op_log_path
-from ckptverify.trace.readback import _on_host, _pair_digests
+from ckptverify.trace.readback import _on_host
 from ckptverify.trace.sites import is_dtensor
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "ORDER_SENSITIVE", "OpContext", "StepTracer", "write_op_log"]
@@ -711,7 +711,7 @@ def _mode_class() -> Any:
 def write_op_log(store: str | os.PathLike[str], step: int, records: list[dict[str, Any]], dropped: int,
                  values: list[int], chunk_elements: int) -> None:
     """Write the op log of ``step``, resolving device handles from ``values`` (flattened lane pairs)."""
-    digests = _pair_digests(values)
+    digests = pair_digests(values)
 
     def resolve(v: Any) -> str | None:
         return None if v is None else f"{digests[v[1]] if isinstance(v, tuple) else v:032x}"

@@ -33,7 +33,7 @@ from ckptverify.safeparse import safejson
 from ckptverify.safeparse.readers import read_small_file
 from ckptverify.safeparse.zstd import decompress as zstd_decompress
 
-__all__ = ["CATEGORIES", "DIGEST_ENCODINGS", "ENCODINGS", "KINDS", "LEVELS", "TRACE_SCHEMA", "TRACE_SCHEMA_VERSION",
+__all__ = ["DIGEST_ENCODINGS", "ENCODINGS", "KINDS", "LEVELS", "TRACE_SCHEMA", "TRACE_SCHEMA_VERSION",
            "Cell", "Site", "Trace", "TraceHeader", "TraceRow", "TraceWriter", "open_trace", "rank_store_path"]
 
 TRACE_SCHEMA = "ckptverify/trace"
@@ -77,7 +77,6 @@ KINDS: dict[str, str] = {
     "counter": "counters",
     "extra": "extras",
 }
-CATEGORIES = tuple(dict.fromkeys(KINDS.values()))
 
 #: How a cell's 128 bits read: ``fp128`` tensor fingerprint, ``digest128`` xxh3-128, ``f64``/``i64`` a number in
 #: lane 0 (lane 1 is 0), ``set128`` a category cell (:mod:`ckptverify.trace.category`).
