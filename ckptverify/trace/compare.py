@@ -20,6 +20,7 @@ import numpy as np
 
 from ckptverify.errors import CkptVerifyError, TraceHeaderMismatchError, UsageError
 from ckptverify.findings import Finding, Location, error, info, warning
+from ckptverify.trace.sites import ROOT_MODULE
 from ckptverify.trace.store import DIGEST_ENCODINGS, Site, Trace, block_rows, is_store, open_trace, step_ranges
 
 __all__ = ["FirstDivergence", "RankComparison", "compare_runs", "compare_traces", "comparison_findings",
@@ -311,8 +312,9 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
     origin_site = aligned.site(origin_name)
     origin, fed, origin_type = module_of(origin_name), None, origin_site.info or None
     if origin_site.kind == "module_in":
-        fed = origin
-        origin = parent_module(origin)
+        # The parent (``blocks.0.ln1`` -> ``blocks.0``; a top-level module's is the root) changed its child's input.
+        head, dot, _ = origin.rpartition(".")
+        fed, origin = origin, head if dot and origin != ROOT_MODULE else ROOT_MODULE
         origin_type = _module_type(aligned, origin)
     return FirstDivergence(
         **base,
@@ -323,14 +325,6 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
         receivers=tuple(aligned.names[k] for k in differing_modules[1:]),
         inputs_verified=inputs_verified,
     )
-
-
-def parent_module(name: str) -> str:
-    """The parent module's name (``blocks.0.ln1`` -> ``blocks.0``; a top-level module's is the root's)."""
-    from ckptverify.trace.sites import ROOT_MODULE
-
-    head, dot, _ = name.rpartition(".")
-    return head if dot and name != ROOT_MODULE else ROOT_MODULE
 
 
 def _module_type(aligned: _Aligned, module: str) -> str | None:
