@@ -44,9 +44,6 @@ ORDER_SENSITIVE = frozenset({
 
 DEFAULT_CHUNK_ELEMENTS = 4096
 
-#: Outputs of uninitialised memory: never compared (see :func:`_allocates`).
-_EMPTY = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"})
-
 #: In-place ops that overwrite ``self`` whole: its prior content (often never written) is not an input.
 _OVERWRITE = frozenset({"copy_", "fill_", "zero_", "random_", "uniform_", "normal_", "bernoulli_", "exponential_",
                         "geometric_", "log_normal_", "cauchy_", "set_", "resize_", "resize_as_", "_foreach_zero_",
@@ -510,7 +507,7 @@ class StepTracer:
 
 def _allocates(name: str) -> bool:
     """Whether an op of this name returns memory it does not write (an ``empty*`` allocation)."""
-    return name in _EMPTY or name.startswith(("empty_", "new_empty", "_empty"))
+    return name == "empty" or name.startswith(("empty_", "new_empty", "_empty"))
 
 
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
