@@ -1,5 +1,6 @@
 """Cell encoders: one trace cell from a tensor (member digest, :mod:`ckptverify.trace.readback`), a metric (exact
-bits), or any other value (digest of its sorted-key JSON, or its state digest when not plain data)."""
+bits), or any other value (digest of its sorted-key JSON, or its state digest when not plain data); a category's
+cells from its members' digests."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ckptverify.errors import UsageError
 from ckptverify.fingerprint.spec import MASK64 as _MASK64
 from ckptverify.state.digest import state_digest
 from ckptverify.trace import category
-from ckptverify.trace.category import digest_lanes, host_digest, signature
+from ckptverify.trace.category import combine, digest_lanes, host_digest, signature
 from ckptverify.trace.readback import _HOST_AS_DEVICE, _PLAIN_TYPES, Item, _Deferred, _digests_later, _on_host
 from ckptverify.trace.sites import is_dtensor, local_view
 from ckptverify.trace.store import Cell, bits_float, hex_lanes
@@ -48,6 +49,17 @@ def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
     # A tensor's member digest reads as bytes on the host, as its logical fingerprint on a device.
     encoding = "digest128" if _on_host(local_view(t)) else "fp128"
     return Cell(site, kind, digest_lanes(category.tensor_digests([t])[0]), encoding, info)
+
+
+def _category_cells(group: str, kind: str, names: list[str], weights: list[int], encodings: list[str],
+                    digests: list[int], detail: str,
+                    lanes: Callable[[int], tuple[int, int]] = digest_lanes) -> list[Cell]:
+    """One cell per member at detail ``tensor`` (its lanes: ``lanes`` of its digest), then the category cell."""
+    cells: list[Cell] = []
+    if detail == "tensor":
+        cells = [Cell(n, kind, lanes(d), e, "", group) for n, d, e in zip(names, digests, encodings, strict=True)]
+    cells.append(Cell(group, kind, combine(digests, weights), "set128"))
+    return cells
 
 
 def _summary(obj: Any) -> Any:

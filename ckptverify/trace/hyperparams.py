@@ -10,8 +10,7 @@ from typing import Any
 import numpy as np
 
 from ckptverify.trace.category import weight
-from ckptverify.trace.cells import _SCALARS
-from ckptverify.trace.members import _category_cells
+from ckptverify.trace.cells import _SCALARS, _category_cells
 from ckptverify.trace.readback import Item, _Deferred, _on_host
 from ckptverify.trace.sites import is_dtensor
 from ckptverify.trace.store import Cell, bits_float

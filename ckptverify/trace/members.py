@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 from itertools import accumulate
 from operator import xor
 from typing import Any
 
 import xxhash
 
-from ckptverify.trace.category import HostViews, combine, device_digests, digest_lanes, pair_digests, signature, weight
+from ckptverify.trace.category import HostViews, device_digests, pair_digests, signature, weight
+from ckptverify.trace.cells import _category_cells
 from ckptverify.trace.readback import (
     Item,
     _digests_later,
@@ -104,17 +104,6 @@ class _Digester:
             c = self.categories[k]
             out[k] = _category_cells(c.group, c.kind, c.names, c.weights, c.encodings, digests[lo:hi], detail)
         return out
-
-
-def _category_cells(group: str, kind: str, names: list[str], weights: list[int], encodings: list[str],
-                    digests: list[int], detail: str,
-                    lanes: Callable[[int], tuple[int, int]] = digest_lanes) -> list[Cell]:
-    """One cell per member at detail ``tensor`` (its lanes: ``lanes`` of its digest), then the category cell."""
-    cells: list[Cell] = []
-    if detail == "tensor":
-        cells = [Cell(n, kind, lanes(d), e, "", group) for n, d, e in zip(names, digests, encodings, strict=True)]
-    cells.append(Cell(group, kind, combine(digests, weights), "set128"))
-    return cells
 
 
 class _Gradients:
