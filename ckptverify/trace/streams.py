@@ -36,14 +36,10 @@ class _PythonStream:
         if sys.implementation.name == "cpython" and sys.getsizeof(self.obj) >= 16 + _MT_BYTES:
             # PyObject_HEAD (reference count, type: 16 bytes), then `int index; uint32_t state[624]`.
             raw = (ctypes.c_char * _MT_BYTES).from_address(id(self.obj) + 16)
-            if self._decode(bytes(raw)) == random.getstate()[1]:
+            data = bytes(raw)
+            if (*memoryview(data[4:]).cast("I").tolist(), int.from_bytes(data[:4], "little", signed=True)) \
+                    == random.getstate()[1]:
                 self._raw = raw
-
-    @staticmethod
-    def _decode(raw: bytes) -> tuple[int, ...]:
-        index = int.from_bytes(raw[:4], "little", signed=True)
-        words = memoryview(raw[4:]).cast("I")
-        return (*words.tolist(), index)
 
     def key(self) -> Any:
         gauss = getattr(self.obj, "gauss_next", None)
