@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = ["HostViews", "combine", "host_digest", "host_view", "locate", "matches", "subclass_digest", "tensor_digests",
-           "weight"]
+__all__ = ["HostViews", "combine", "host_digest", "host_view", "locate", "matches", "pair_digests", "subclass_digest",
+           "tensor_digests", "weight"]
 
 
 @functools.cache
@@ -135,7 +135,13 @@ def device_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
     pass and read back once."""
     from ckptverify.fingerprint import kernels as kern
 
-    return [(a & _MASK64) << 64 | (b & _MASK64) for a, b in hostread.to_host(kern.lanes_many(tensors))]
+    return pair_digests(hostread.to_host(kern.lanes_many(tensors).reshape(-1)))
+
+
+def pair_digests(values: list[int]) -> list[int]:
+    """Flattened ``(n, 2)`` lane sums (signed, as read back) as ``n`` unsigned 128-bit member digests."""
+    it = iter(values)
+    return [(a & _MASK64) << 64 | (b & _MASK64) for a, b in zip(it, it, strict=True)]
 
 
 def digest_lanes(d: int) -> tuple[int, int]:

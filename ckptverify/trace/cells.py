@@ -1,5 +1,6 @@
 """Cell encoders: one trace cell from a tensor (member digest, :mod:`ckptverify.trace.readback`), a metric (exact
-bits), or any other value (digest of its sorted-key JSON, or its state digest when not plain data)."""
+bits), or any other value (digest of its sorted-key JSON, or its state digest when not plain data); a category's
+cells from its members' digests."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import numpy as np
 import xxhash
 
 from ckptverify.errors import UsageError
+from ckptverify.fingerprint.spec import MASK64 as _MASK64
 from ckptverify.state.digest import state_digest
 from ckptverify.trace import category
-from ckptverify.trace.category import digest_lanes, host_digest, signature
-from ckptverify.trace.readback import _HOST_AS_DEVICE, _MASK64, _PLAIN_TYPES, Item, _Deferred, _digests_later, _on_host
+from ckptverify.trace.category import combine, digest_lanes, host_digest, signature
+from ckptverify.trace.readback import _HOST_AS_DEVICE, _PLAIN_TYPES, Item, _Deferred, _digests_later, _on_host
 from ckptverify.trace.sites import is_dtensor, local_view
 from ckptverify.trace.store import Cell, bits_float, hex_lanes
 
@@ -30,7 +32,7 @@ def _tensor_item(site: str, kind: str, t: torch.Tensor, info: str = "") -> Item:
         return _tensor_cell(site, kind, t, info)
 
     def finish(digests: list[int]) -> list[Cell]:
-        return [Cell(site, kind, ((digests[0] >> 64), digests[0] & _MASK64), "fp128", info)]
+        return [Cell(site, kind, digest_lanes(digests[0]), "fp128", info)]
 
     return _digests_later([local.detach()], finish)[0]
 
@@ -40,13 +42,24 @@ def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
         if not t.requires_grad and t.is_contiguous():
             try:  # the common case (a batch, a module output without grad): no copy, no detach
                 d = xxhash.xxh3_128_intdigest(t.numpy()) ^ signature(t.dtype, tuple(t.shape))
-                return Cell(site, kind, (d >> 64, d & _MASK64), "digest128", info)
+                return Cell(site, kind, digest_lanes(d), "digest128", info)
             except TypeError:
                 pass  # a dtype numpy lacks
         return Cell(site, kind, digest_lanes(host_digest(t)), "digest128", info)
     # A tensor's member digest reads as bytes on the host, as its logical fingerprint on a device.
     encoding = "digest128" if _on_host(local_view(t)) else "fp128"
     return Cell(site, kind, digest_lanes(category.tensor_digests([t])[0]), encoding, info)
+
+
+def _category_cells(group: str, kind: str, names: list[str], weights: list[int], encodings: list[str],
+                    digests: list[int], detail: str,
+                    lanes: Callable[[int], tuple[int, int]] = digest_lanes) -> list[Cell]:
+    """One cell per member at detail ``tensor`` (its lanes: ``lanes`` of its digest), then the category cell."""
+    cells: list[Cell] = []
+    if detail == "tensor":
+        cells = [Cell(n, kind, lanes(d), e, "", group) for n, d, e in zip(names, digests, encodings, strict=True)]
+    cells.append(Cell(group, kind, combine(digests, weights), "set128"))
+    return cells
 
 
 def _summary(obj: Any) -> Any:
@@ -89,23 +102,15 @@ def _value_item(site: str, kind: str, obj: Any, info: str = "") -> Item:
     return _digests_later([t.detach() for t in leaves], finish)[0]
 
 
-class _Slot:
-    """A tensor's place in a :func:`_skeleton`: its dtype and shape, its digest to come."""
-
-    __slots__ = ("dtype", "shape")
-
-    def __init__(self, dtype: str, shape: list[int]) -> None:
-        self.dtype, self.shape = dtype, shape
-
-
 def _skeleton(obj: Any) -> Any:
-    """``obj`` as :func:`_summary` walks it, each tensor a :class:`_Slot`."""
+    """``obj`` as :func:`_summary` walks it, each tensor a tuple ``(dtype, shape)``, its digest to come (no other
+    tuple is left: sequences become lists)."""
     import torch
 
     from ckptverify.fingerprint import kernels as kern
 
     if isinstance(obj, torch.Tensor):
-        return _Slot(kern.dtype_name(obj.dtype), list(obj.shape))
+        return kern.dtype_name(obj.dtype), list(obj.shape)
     if isinstance(obj, Mapping):
         return {str(k): _skeleton(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
@@ -115,8 +120,8 @@ def _skeleton(obj: Any) -> Any:
 
 def _filled(skeleton: Any, digests: Any) -> Any:
     """What :func:`_summary` gives for ``skeleton``'s object, tensor digests taken from ``digests`` in walk order."""
-    if type(skeleton) is _Slot:
-        return {"digest": f"{next(digests):032x}", "dtype": skeleton.dtype, "shape": skeleton.shape}
+    if type(skeleton) is tuple:
+        return {"digest": f"{next(digests):032x}", "dtype": skeleton[0], "shape": skeleton[1]}
     if isinstance(skeleton, dict):
         return {k: _filled(v, digests) for k, v in skeleton.items()}
     if isinstance(skeleton, list):
@@ -164,7 +169,7 @@ def _value_lanes(value: Any) -> tuple[int, int]:
     except (TypeError, ValueError):
         return hex_lanes(state_digest(_summary(value)))
     d = xxhash.xxh3_128_intdigest(b"J" + text.encode("utf-8", "surrogatepass"))
-    return d >> 64, d & _MASK64
+    return digest_lanes(d)
 
 
 def _scaler_item(site: str, kind: str, scaler: Any) -> Item:

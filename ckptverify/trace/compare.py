@@ -20,7 +20,8 @@ import numpy as np
 
 from ckptverify.errors import CkptVerifyError, TraceHeaderMismatchError, UsageError
 from ckptverify.findings import Finding, Location, error, info, warning
-from ckptverify.trace.store import DIGEST_ENCODINGS, Site, Trace, is_store, open_trace, step_ranges
+from ckptverify.trace.sites import ROOT_MODULE
+from ckptverify.trace.store import DIGEST_ENCODINGS, Site, Trace, block_rows, is_store, open_trace, step_ranges
 
 __all__ = ["FirstDivergence", "RankComparison", "compare_runs", "compare_traces", "comparison_findings",
            "first_divergence", "job_divergence", "module_of", "named_member", "rank_comparisons", "recompute_findings",
@@ -36,9 +37,6 @@ OWN_KINDS = frozenset({"rng", "hparam", "batch", "data", "buffer", "scheduler", 
 #: Metrics holding the rank's own value (a gradient norm, say, is computed after the reduction).
 OWN_METRICS = frozenset({"metric.loss"})
 _MODULE_LEVELS = ("module", "op")
-#: Rows compared at once, capped in bytes for wide traces.
-_BLOCK = 256
-_BLOCK_BYTES = 64 << 20
 #: Receivers named in a message (all are in the finding's ``actual``).
 _SHOWN = 5
 
@@ -92,15 +90,12 @@ class RankComparison:
     path_b: str
     run_a: str
     run_b: str
-    level: str
     first: FirstDivergence | None
-    compared_steps: int
     compared_sites: int
     only_a: tuple[int, ...] = ()
     only_b: tuple[int, ...] = ()
     sites_only_a: tuple[str, ...] = ()
     sites_only_b: tuple[str, ...] = ()
-    header_differences: tuple[str, ...] = ()
     ignored_sites: tuple[str, ...] = ()
     missing: str | None = field(default=None)  # "a" or "b" when that run has no store for this rank
     differing: tuple[str, ...] = ()
@@ -200,10 +195,10 @@ def _check_headers(ta: Trace, tb: Trace, diffs: list[str], force: bool) -> None:
         raise TraceHeaderMismatchError(diffs, ta, tb)
 
 
-def _compare_pair(ta: Trace, tb: Trace, diffs: list[str], *, steps: Iterable[int] | None, force: bool,
-                  ignore_sites: tuple[str, ...], every_step: bool) -> RankComparison:
-    """Compare one rank's traces whose header differences ``diffs`` :func:`_check_headers` accepted; past the first
-    divergent block only with ``every_step``."""
+def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: bool, ignore_sites: tuple[str, ...],
+                  every_step: bool) -> RankComparison:
+    """Compare one rank's traces whose headers :func:`_check_headers` accepted; past the first divergent block only
+    with ``every_step``."""
     rank = ta.header.rank if ta.header.rank is not None else 0
     sa, sb = ta.step_array, tb.step_array
     fa, fb = sa[_step_mask(sa, steps)], sb[_step_mask(sb, steps)]
@@ -237,8 +232,7 @@ def _compare_pair(ta: Trace, tb: Trace, diffs: list[str], *, steps: Iterable[int
     first: FirstDivergence | None = None
     ever = at_first = np.zeros(len(names), dtype=bool)
     if names:
-        widest = max(len(ta._by_column), len(tb._by_column), len(names), 1)
-        block = max(1, min(_BLOCK, _BLOCK_BYTES // (17 * widest)))
+        block = block_rows(max(len(ta._by_column), len(tb._by_column), len(names)))
         for i0 in range(0, common.shape[0], block):
             ra, rb = rows_a[i0 : i0 + block], rows_b[i0 : i0 + block]
             differs, _ = aligned.diff(ra, rb)
@@ -250,10 +244,8 @@ def _compare_pair(ta: Trace, tb: Trace, diffs: list[str], *, steps: Iterable[int
             if first is not None and not every_step:
                 break
     return RankComparison(rank=rank, path_a=str(ta.path), path_b=str(tb.path), run_a=ta.header.run,
-                          run_b=tb.header.run, level=ta.header.level, first=first,
-                          compared_steps=int(common.shape[0]), compared_sites=len(names), only_a=only_a,
-                          only_b=only_b, sites_only_a=sites_only_a, sites_only_b=sites_only_b,
-                          header_differences=tuple(diffs), ignored_sites=ignored,
+                          run_b=tb.header.run, first=first, compared_sites=len(names), only_a=only_a,
+                          only_b=only_b, sites_only_a=sites_only_a, sites_only_b=sites_only_b, ignored_sites=ignored,
                           differing=tuple(n for n, d in zip(names, ever, strict=True) if d),
                           first_differing=tuple(n for n, d in zip(names, at_first, strict=True) if d),
                           traces=(ta, tb))
@@ -320,8 +312,9 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
     origin_site = aligned.site(origin_name)
     origin, fed, origin_type = module_of(origin_name), None, origin_site.info or None
     if origin_site.kind == "module_in":
-        fed = origin
-        origin = parent_module(origin)
+        # The parent (``blocks.0.ln1`` -> ``blocks.0``; a top-level module's is the root) changed its child's input.
+        head, dot, _ = origin.rpartition(".")
+        fed, origin = origin, head if dot and origin != ROOT_MODULE else ROOT_MODULE
         origin_type = _module_type(aligned, origin)
     return FirstDivergence(
         **base,
@@ -332,14 +325,6 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
         receivers=tuple(aligned.names[k] for k in differing_modules[1:]),
         inputs_verified=inputs_verified,
     )
-
-
-def parent_module(name: str) -> str:
-    """The parent module's name (``blocks.0.ln1`` -> ``blocks.0``; a top-level module's is the root's)."""
-    from ckptverify.trace.sites import ROOT_MODULE
-
-    head, dot, _ = name.rpartition(".")
-    return head if dot and name != ROOT_MODULE else ROOT_MODULE
 
 
 def _module_type(aligned: _Aligned, module: str) -> str | None:
@@ -542,16 +527,15 @@ def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
         pairs = [(open_trace(stores_a[r]), open_trace(stores_b[r])) for r in stores_a if r in stores_b]
         missing = [
             RankComparison(rank=r, path_a=str(stores_a.get(r, "")), path_b=str(stores_b.get(r, "")), run_a="",
-                           run_b="", level="", first=None, compared_steps=0, compared_sites=0,
+                           run_b="", first=None, compared_sites=0,
                            missing="b" if r in stores_a else "a")
             for r in sorted(set(stores_a) ^ set(stores_b))
         ]
-    checked = [(ta, tb, ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore))) for ta, tb in pairs]
-    for ta, tb, diffs in checked:
-        _check_headers(ta, tb, diffs, force)
+    for ta, tb in pairs:
+        _check_headers(ta, tb, ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore)), force)
     sites = tuple(ignore_sites)
-    comps = [_compare_pair(ta, tb, diffs, steps=steps, force=force, ignore_sites=sites, every_step=every_step)
-             for ta, tb, diffs in checked]
+    comps = [_compare_pair(ta, tb, steps=steps, force=force, ignore_sites=sites, every_step=every_step)
+             for ta, tb in pairs]
     return sorted([*comps, *missing], key=lambda c: c.rank)
 
 

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from ckptverify.trace.category import digest_lanes
 from ckptverify.trace.cells import _SCALARS, _json, _value_lanes
 from ckptverify.trace.members import _Digester, _Members
-from ckptverify.trace.readback import _MASK64
 from ckptverify.trace.sites import _unwrap, local_view, non_persistent_buffers
 from ckptverify.trace.store import Cell
 
@@ -91,24 +91,16 @@ class _Leaves:
     def cells(self) -> list[Cell]:
         out = []
         for site, leaves in self.parents.items():
-            read = self._reads[site]
-            if read is not None:
-                snap: Any = [tuple(self.groups[g].values()) for g in read]
-                hit = self._cache.get(site)
-                if hit is not None and hit[0] == snap:
-                    out.append(hit[1])
-                    continue
+            read, hit = self._reads[site], self._cache.get(site)
+            # Plain groups compare as a whole before their live values are read; other live values by a snapshot.
+            snap: Any = None if read is None else [tuple(self.groups[g].values()) for g in read]
+            if hit is None or snap is None or hit[0] != snap:
                 live = [_live_value(self.groups, *where) for _, _, where in leaves if where is not None]
-            else:
-                live = [_live_value(self.groups, *where) for _, _, where in leaves if where is not None]
-                snap = _snapshot(live)
-                hit = self._cache.get(site)
-                if hit is not None and snap is not _UNCACHEABLE and hit[0] == snap:
-                    out.append(hit[1])
-                    continue
-            cell = self._cell(site, leaves, live)
-            self._cache[site] = (snap, cell)
-            out.append(cell)
+                if read is None:
+                    snap = _snapshot(live)
+                if hit is None or snap is _UNCACHEABLE or hit[0] != snap:
+                    hit = self._cache[site] = (snap, self._cell(site, leaves, live))
+            out.append(hit[1])
         return out
 
     def _cell(self, site: str, leaves: list[tuple[str, Any, tuple[int, str, str] | None]], live: list[Any]) -> Cell:
@@ -116,7 +108,7 @@ class _Leaves:
         if fixed is not None:
             try:
                 d = xxhash.xxh3_128_intdigest(b"L" + fixed + _json(live).encode("utf-8", "surrogatepass"))
-                return Cell(site, self.kind, (d >> 64, d & _MASK64), "digest128")
+                return Cell(site, self.kind, digest_lanes(d), "digest128")
             except (TypeError, ValueError):
                 pass  # a live value that is not plain data (a tensor learning rate): the general digest
         values = iter(live)

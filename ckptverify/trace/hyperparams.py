@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from ckptverify.trace.category import combine, weight
-from ckptverify.trace.cells import _SCALARS
+from ckptverify.trace.category import weight
+from ckptverify.trace.cells import _SCALARS, _category_cells
 from ckptverify.trace.readback import Item, _Deferred, _on_host
 from ckptverify.trace.sites import is_dtensor
 from ckptverify.trace.store import Cell, bits_float
@@ -24,42 +24,27 @@ def _on_device(values: list[Any]) -> list[int]:
             if isinstance(v, torch.Tensor) and not is_dtensor(v) and v.numel() == 1 and not _on_host(v)]
 
 
-def _hparam_cell(site: str, v: Any) -> Cell | None:
+def _code(v: Any) -> str | None:
+    """How a hyperparameter's value packs: ``q`` (int64), ``d`` (float64), ``None`` (not a number). An integer
+    beyond 64 bits is a :class:`UsageError`, a complex tensor a ``TypeError``."""
     if isinstance(v, bool | np.bool_ | int | np.integer):
-        return Cell.from_int(site, "hparam", int(v))
+        Cell.from_int("hparam", "hparam", int(v))
+        return "q"
     if isinstance(v, float | np.floating):
-        return Cell.from_float(site, "hparam", float(v))
+        return "d"
     if hasattr(v, "numel") and v.numel() == 1 and not is_dtensor(v):
-        return Cell.from_float(site, "hparam", float(v.detach().reshape(()).item()))
+        float(v.detach().reshape(()).item())
+        return "d"
     return None
-
-
-def hparam_cells(prefix: str, optimizers: list[Any]) -> list[Cell]:
-    """One exact-value cell per numeric hyperparameter of every param group: ``<prefix>[<o>.]<g>.<key>[.<i>]``.
-    Non-numbers (``None``, strings) are left out: what drives a step's arithmetic is numeric."""
-    cells: list[Cell] = []
-    for o, opt in enumerate(optimizers):
-        head = f"{prefix}{o}." if len(optimizers) > 1 else prefix
-        for g, group in enumerate(opt.param_groups):
-            for key, value in group.items():
-                if key == "params":
-                    continue
-                items = list(enumerate(value)) if isinstance(value, list | tuple) else [(None, value)]
-                for k, v in items:
-                    cell = _hparam_cell(f"{head}{g}.{key}" + ("" if k is None else f".{k}"), v)
-                    if cell is not None:
-                        cells.append(cell)
-    return cells
 
 
 @dataclass
 class _HparamSpec:
-    """Where each param group's numbers are, found once: scalar keys (one ``itemgetter``), sequence keys, member
-    names in that order, the ``struct`` format packing them, and their weights."""
+    """Where each param group's numbers are, found once: per group an ``itemgetter`` of its scalar keys (or
+    ``None``), their count and its sequence keys; member names in that order, the ``struct`` format packing them,
+    and their weights."""
 
-    scalars: list[Any]  # per group: an itemgetter of its scalar keys, or None
-    counts: list[int]  # per group: how many scalar keys
-    sequences: list[list[str]]  # per group: keys of sequence entries
+    reads: list[tuple[Any, int, list[str]]]
     names: list[str]
     fmt: str
     weights: list[int]
@@ -67,15 +52,85 @@ class _HparamSpec:
     shape: list[int]  # len() of each group, and the number of optimizers, when found
 
 
+def _find(prefix: str, optimizers: list[Any]) -> _HparamSpec:
+    """Which entries are numbers, and how to pack them: per group its numeric scalars, then its sequences whose
+    entries all are numbers (``None``, strings and anything else are left out)."""
+    reads: list[tuple[Any, int, list[str]]] = []
+    names: list[str] = []
+    fmt = "<"
+    comparable = True
+    for o, opt in enumerate(optimizers):
+        head = f"{prefix}{o}." if len(optimizers) > 1 else prefix
+        for g, group in enumerate(opt.param_groups):
+            keys: list[str] = []
+            seqs: list[str] = []
+            seq_names: list[str] = []
+            seq_fmt = ""
+            for key, value in group.items():
+                if key == "params":
+                    continue
+                if isinstance(value, list) or not isinstance(value, (*_SCALARS, tuple)):
+                    comparable = False  # a value that can change in place: no reuse by comparison
+                if isinstance(value, list | tuple):
+                    codes = [_code(v) for v in value]
+                    if value and None not in codes:
+                        seqs.append(key)
+                        seq_names += [f"{head}{g}.{key}.{k}" for k in range(len(value))]
+                        seq_fmt += "".join(codes)  # type: ignore[arg-type]
+                    continue
+                code = _code(value)
+                if code is not None:
+                    keys.append(key)
+                    names.append(f"{head}{g}.{key}")
+                    fmt += code
+            names += seq_names
+            fmt += seq_fmt
+            reads.append((operator.itemgetter(*keys) if keys else None, len(keys), seqs))
+    return _HparamSpec(reads, names, fmt, [weight(n) for n in names], comparable,
+                       [*(len(g) for opt in optimizers for g in opt.param_groups), len(optimizers)])
+
+
+def _values(spec: _HparamSpec, groups: list[Any]) -> list[Any]:
+    """The values ``spec`` packs, read from ``groups`` (``KeyError``/``TypeError``: the groups changed)."""
+    values: list[Any] = []
+    for g, (get, n, seqs) in zip(groups, spec.reads, strict=True):
+        if n == 1:
+            values.append(get(g))
+        elif n:
+            values.extend(get(g))
+        for key in seqs:
+            values.extend(g[key])
+    return values
+
+
+def _lanes(spec: _HparamSpec, values: list[Any], convert: bool = False) -> tuple[list[int], list[str]]:
+    """Each value's 64 bits (lane 0 of its cell) and encoding, packed in one ``struct`` call; ``convert`` (a spec
+    found from these values): made numbers first, as ``struct`` takes no numpy bool."""
+    if convert:
+        values = [int(v) if k == "q" else float(v) for k, v in zip(spec.fmt[1:], values, strict=True)]
+    packed = struct.pack(spec.fmt, *values)
+    return list(struct.unpack(f"<{len(packed) // 8}Q", packed)), ["f64" if k == "d" else "i64" for k in spec.fmt[1:]]
+
+
+def hparam_cells(prefix: str, optimizers: list[Any]) -> list[Cell]:
+    """One exact-value cell per numeric hyperparameter of every param group: ``<prefix>[<o>.]<g>.<key>[.<i>]``, as
+    the recorder records them at detail ``tensor``. Non-numbers (``None``, strings) are left out, and so is a
+    sequence not all numbers: what drives a step's arithmetic is numeric."""
+    spec = _find(prefix, optimizers)
+    lows, encodings = _lanes(spec, _values(spec, [g for opt in optimizers for g in opt.param_groups]), True)
+    return [Cell(n, "hparam", (b, 0), e) for n, b, e in zip(spec.names, lows, encodings, strict=True)]
+
+
 class _HparamCells:
     """Every param group's hyperparameters as cells, cheaply per step: the category cell ``<prefix>*`` (its members'
     values are their bits, so a ``tensor``-detail replay names the one that differs), preceded at detail ``tensor``
-    by one cell per hyperparameter. Packed with one ``struct`` call; unchanged groups reuse last step's cells."""
+    by one cell per hyperparameter (:func:`hparam_cells`). Packed with one ``struct`` call; unchanged groups reuse
+    last step's cells."""
 
     def __init__(self, prefix: str, detail: str) -> None:
         self.prefix, self.detail = prefix, detail
         self._snap: Any = None
-        self._cells: list[Cell] = []
+        self._cells: list[Item] = []
         self._spec: _HparamSpec | None = None
 
     def __call__(self, optimizers: list[Any]) -> list[Item]:
@@ -91,37 +146,31 @@ class _HparamCells:
 
     def _make(self, optimizers: list[Any], groups: list[Any]) -> list[Item]:
         spec = self._spec
-        if spec is None or spec.shape != [*map(len, groups), len(optimizers)]:
-            spec = self._spec = self._find(optimizers, groups)
-        group = f"{self.prefix}*"
+        fresh = spec is None or spec.shape != [*map(len, groups), len(optimizers)]
+        if fresh:
+            spec = self._spec = _find(self.prefix, optimizers)
+        assert spec is not None
         try:
-            values: list[Any] = []
-            for g, get, n, seqs in zip(groups, spec.scalars, spec.counts, spec.sequences, strict=True):
-                if n == 1:
-                    values.append(get(g))
-                elif n:
-                    values.extend(get(g))
-                for key in seqs:
-                    values.extend(g[key])
+            values = _values(spec, groups)
             on_device = _on_device(values)
             if on_device:
-                return [self._later(values, on_device, spec, group)]
-            return self._packed(spec, values, group)
+                return [self._later(values, on_device, spec, fresh)]
+            return self._packed(spec, values, fresh)
         except (struct.error, KeyError, IndexError, TypeError):
-            self._spec = None  # the groups changed shape or types: find the entries again next time
-            slow = hparam_cells(self.prefix, optimizers)
-            names = [c.site for c in slow]
-            return self._cells_of(names, [c.lanes[0] for c in slow], [weight(n) for n in names],
-                                  [c.encoding for c in slow], group)
+            if fresh:
+                raise
+            self._spec = None  # the groups changed types: find the entries again
+            return self._make(optimizers, groups)
 
-    def _packed(self, spec: _HparamSpec, values: list[Any], group: str) -> list[Cell]:
-        """The cells of ``values``, packed by ``spec``: each member's value is its 64 bits."""
-        packed = struct.pack(spec.fmt, *values)
-        lows = list(struct.unpack(f"<{len(packed) // 8}Q", packed))
-        encodings = ["f64" if k == "d" else "i64" for k in spec.fmt[1:]]
-        return self._cells_of(spec.names, lows, spec.weights, encodings, group)
+    def _packed(self, spec: _HparamSpec, values: list[Any], convert: bool) -> list[Cell]:
+        """The cells of ``values``, packed by ``spec`` (see :func:`_lanes`): each member's value is its 64 bits."""
+        if not spec.names:
+            return []
+        lows, encodings = _lanes(spec, values, convert)
+        return _category_cells(f"{self.prefix}*", "hparam", spec.names, spec.weights, encodings, lows, self.detail,
+                               lanes=lambda b: (b, 0))
 
-    def _later(self, values: list[Any], on_device: list[int], spec: _HparamSpec, group: str) -> Item:
+    def _later(self, values: list[Any], on_device: list[int], spec: _HparamSpec, convert: bool) -> Item:
         """:meth:`_make` when some hyperparameters are device tensors (a ``capturable`` optimizer's lr): those are
         widened to float64 there, exactly as ``float(tensor)``, and read back with the step."""
         import torch
@@ -135,58 +184,6 @@ class _HparamCells:
             filled = list(kept)
             for i, b in zip(on_device, read, strict=True):
                 filled[i] = bits_float(b)
-            return self._packed(spec, filled, group)
+            return self._packed(spec, filled, convert)
 
         return _Deferred(bits, make)
-
-    def _cells_of(self, names: list[str], lows: list[int], weights: list[int], encodings: list[str],
-                  group: str) -> list[Cell]:
-        if not names:
-            return []
-        cells = []
-        if self.detail == "tensor":
-            cells = [Cell(n, "hparam", (b, 0), e, "", group)
-                     for n, b, e in zip(names, lows, encodings, strict=True)]
-        cells.append(Cell(group, "hparam", combine(lows, weights), "set128"))
-        return cells
-
-    def _find(self, optimizers: list[Any], groups: list[Any]) -> _HparamSpec:
-        """Which entries are numbers, and how to pack them."""
-        scalars: list[Any] = []
-        counts: list[int] = []
-        sequences: list[list[str]] = []
-        names: list[str] = []
-        fmt = "<"
-        comparable = True
-        for o, opt in enumerate(optimizers):
-            head = f"{self.prefix}{o}." if len(optimizers) > 1 else self.prefix
-            for g, group in enumerate(opt.param_groups):
-                keys: list[str] = []
-                seqs: list[str] = []
-                seq_names: list[str] = []
-                seq_fmt = ""
-                for key, value in group.items():
-                    if key == "params":
-                        continue
-                    if isinstance(value, list) or not isinstance(value, (*_SCALARS, tuple)):
-                        comparable = False  # a value that can change in place: no reuse by comparison
-                    if isinstance(value, list | tuple):
-                        kinds = [_hparam_cell("x", v) for v in value]
-                        if value and all(c is not None for c in kinds):
-                            seqs.append(key)
-                            seq_names += [f"{head}{g}.{key}.{k}" for k in range(len(value))]
-                            seq_fmt += "".join("d" if c.encoding == "f64" else "q" for c in kinds)  # type: ignore[union-attr]
-                        continue
-                    cell = _hparam_cell("x", value)
-                    if cell is not None:
-                        keys.append(key)
-                        names.append(f"{head}{g}.{key}")
-                        fmt += "d" if cell.encoding == "f64" else "q"
-                names += seq_names
-                fmt += seq_fmt
-                scalars.append(operator.itemgetter(*keys) if keys else None)
-                counts.append(len(keys))
-                sequences.append(seqs)
-        return _HparamSpec(scalars, counts, sequences, names, fmt, [weight(n) for n in names], comparable,
-                           [*map(len, groups), len(optimizers)])
-

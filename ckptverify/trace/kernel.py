@@ -172,12 +172,6 @@ def _kinds(t: Any) -> Iterator[str]:
         yield kind
 
 
-def _reads_tensor(arg: Any) -> bool:
-    """Whether a schema argument is a tensor the op reads (not a write-only ``out=`` buffer)."""
-    written_only = arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write
-    return "TensorType" in _kinds(arg.type) and not written_only
-
-
 def check_op(op: torch._ops.OpOverload) -> None:
     """Refuse by schema an op the re-run must not call (:class:`~ckptverify.errors.UsageError`): one taking no tensor
     or device; one taking a type beyond tensors, numbers, dtypes, devices, generators (memory or objects it was not
@@ -185,7 +179,9 @@ def check_op(op: torch._ops.OpOverload) -> None:
     ``aten.from_file``)."""
     name = str(op)
     arguments = op._schema.arguments
-    reads = any(_reads_tensor(a) for a in arguments)
+    # Whether it reads a tensor: a write-only out= buffer is not read.
+    reads = any("TensorType" in _kinds(a.type) and not (a.kwarg_only and a.alias_info is not None
+                                                          and a.alias_info.is_write) for a in arguments)
     if not any({"TensorType", "DeviceObjType"} & set(_kinds(a.type)) for a in arguments):
         raise UsageError(f"refused op {name}: it takes neither a tensor nor a device, so it computes on no tensor")
     for a in arguments:
@@ -323,15 +319,11 @@ def _settings() -> dict[str, Any]:
     }
 
 
-def _base_name(op: torch._ops.OpOverload) -> str:
-    """The op's name without namespace and overload, and without the in-place ``_`` of ``index_add_``."""
-    name = _name(op)
-    return name[:-1] if name.endswith("_") and not name.endswith("__") and name[:-1] else name
-
-
 def mechanism_of(op: torch._ops.OpOverload, device: str, settings: Mapping[str, Any]) -> str:
     """The documented mechanism that makes ``op`` nondeterministic on ``device`` (a key of :data:`MECHANISMS`)."""
-    name = _base_name(op)
+    name = _name(op)
+    if name.endswith("_") and not name.endswith("__") and name[:-1]:
+        name = name[:-1]  # in place: index_add_ is index_add
     kind = device.split(":", 1)[0]
     atomics = _ATOMICS.get(kind, frozenset())
     if name in atomics or name.rstrip("_") in atomics:

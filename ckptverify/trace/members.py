@@ -10,14 +10,13 @@ from typing import Any
 
 import xxhash
 
-from ckptverify.trace.category import HostViews, combine, device_digests, signature, weight
+from ckptverify.trace.category import HostViews, device_digests, pair_digests, signature, weight
+from ckptverify.trace.cells import _category_cells
 from ckptverify.trace.readback import (
-    _MASK64,
     Item,
     _digests_later,
     _has_parts,
     _on_host,
-    _pair_digests,
 )
 from ckptverify.trace.sites import _unwrap, canonical_name, is_dtensor, local_view
 from ckptverify.trace.store import Cell
@@ -94,7 +93,7 @@ class _Digester:
         """``digests`` with the device members' read-back lane sums ``values`` filled in."""
         out = list(digests)
         (members,) = self._device.values()
-        for i, d in zip(members, _pair_digests(values), strict=True):
+        for i, d in zip(members, pair_digests(values), strict=True):
             out[i] = d
         return out
 
@@ -105,17 +104,6 @@ class _Digester:
             c = self.categories[k]
             out[k] = _category_cells(c.group, c.kind, c.names, c.weights, c.encodings, digests[lo:hi], detail)
         return out
-
-
-def _category_cells(group: str, kind: str, names: list[str], weights: list[int], encodings: list[str],
-                    digests: list[int], detail: str) -> list[Cell]:
-    """One cell per member at detail ``tensor``, then the category cell."""
-    cells: list[Cell] = []
-    if detail == "tensor":
-        cells = [Cell(n, kind, (d >> 64, d & _MASK64), e, "", group)
-                 for n, d, e in zip(names, digests, encodings, strict=True)]
-    cells.append(Cell(group, kind, combine(digests, weights), "set128"))
-    return cells
 
 
 class _Gradients:

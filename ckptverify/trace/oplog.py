@@ -16,7 +16,7 @@ from ckptverify.errors import CkptVerifyError, JSONError, UsageError
 from ckptverify.safeparse import safejson
 
 __all__ = ["OP_LOG_VERSION", "PHASES", "CommInfo", "OpArgument", "OpEvent", "OpKey", "OpWindow", "make_event",
-           "op_log_path", "op_steps", "ops_dropped", "read_ops", "window_from_dict"]
+           "op_log_path", "ops_dropped", "read_ops", "window_from_dict"]
 
 #: Op log format version; a file of any other version is refused rather than half read.
 OP_LOG_VERSION = 1
@@ -201,21 +201,6 @@ def read_ops(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) -
 def ops_dropped(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) -> int:
     """How many ops of ``step`` on ``rank`` the window's ``max_ops`` left out of the op log (0: it is whole)."""
     return int(_op_log(trace_dir_or_store, rank, step)["dropped"])
-
-
-def op_steps(trace_dir_or_store: str | os.PathLike[str], rank: int) -> list[int]:
-    """The steps of ``rank`` that have an op log, in order."""
-    out = []
-    try:
-        names = os.listdir(_store(trace_dir_or_store, rank) / "ops")
-    except OSError:
-        return []
-    for name in names:
-        digits = name.removeprefix("step").removesuffix(".json")
-        if name.startswith("step") and name.endswith(".json") and digits.isascii() and digits.isdigit() \
-                and len(digits) < 19:
-            out.append(int(digits))
-    return sorted(out)
 
 
 def window_from_dict(data: Any) -> OpWindow:

@@ -25,11 +25,11 @@ import xxhash
 
 from ckptverify.ownfiles.names import own_folder, write_atomic
 from ckptverify.trace import kernel
-from ckptverify.trace.category import host_digest
+from ckptverify.trace.category import host_digest, pair_digests
 from ckptverify.trace.cells import _tensor_item
 from ckptverify.trace.comm import COMM_NAMESPACES, RECV, UNSET, _name, argument, bound, comm_info, comm_site, is_comm
 from ckptverify.trace.oplog import MAX_ARGUMENT_NAME, MAX_ARGUMENT_TEXT, OP_LOG_VERSION, CommInfo, OpWindow, op_log_path
-from ckptverify.trace.readback import _on_host, _pair_digests
+from ckptverify.trace.readback import _on_host
 from ckptverify.trace.sites import is_dtensor
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "ORDER_SENSITIVE", "OpContext", "StepTracer", "write_op_log"]
@@ -43,9 +43,6 @@ ORDER_SENSITIVE = frozenset({
 })
 
 DEFAULT_CHUNK_ELEMENTS = 4096
-
-#: Outputs of uninitialised memory: never compared (see :func:`_allocates`).
-_EMPTY = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"})
 
 #: In-place ops that overwrite ``self`` whole: its prior content (often never written) is not an input.
 _OVERWRITE = frozenset({"copy_", "fill_", "zero_", "random_", "uniform_", "normal_", "bernoulli_", "exponential_",
@@ -218,7 +215,8 @@ class StepTracer:
         self._counter: Counter[tuple[int, ...]] = Counter()
         self._digests = _Digests()
         self._mode: Any = None
-        self._active = False
+        #: A step is begun and not yet ended.
+        self.active = False
         self._kernels = False
         self._hooks: list[Any] = []
         self.step = 0
@@ -270,7 +268,7 @@ class StepTracer:
             ctx.optimizer = max(0, ctx.optimizer - 1)
 
         self._hooks = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
-        self._active = True
+        self.active = True
         if self.ops_on:
             self._mode = _mode_class()(self)
             self._mode.__enter__()
@@ -280,13 +278,9 @@ class StepTracer:
                 self._kernels = True
             _ACTIVE = self
 
-    @property
-    def active(self) -> bool:
-        return self._active
-
     def close(self) -> None:
         """Leave a step begun and never ended; give up the collectives' kernels."""
-        if self._active:
+        if self.active:
             self.end()
         if self._kernels:
             self._kernels = False
@@ -302,7 +296,7 @@ class StepTracer:
             mode.__exit__(None, None, None)
         if _ACTIVE is self:
             _ACTIVE = None
-        self._active = False
+        self.active = False
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -513,7 +507,7 @@ class StepTracer:
 
 def _allocates(name: str) -> bool:
     """Whether an op of this name returns memory it does not write (an ``empty*`` allocation)."""
-    return name in _EMPTY or name.startswith(("empty_", "new_empty", "_empty"))
+    return name == "empty" or name.startswith(("empty_", "new_empty", "_empty"))
 
 
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -714,7 +708,7 @@ def _mode_class() -> Any:
 def write_op_log(store: str | os.PathLike[str], step: int, records: list[dict[str, Any]], dropped: int,
                  values: list[int], chunk_elements: int) -> None:
     """Write the op log of ``step``, resolving device handles from ``values`` (flattened lane pairs)."""
-    digests = _pair_digests(values)
+    digests = pair_digests(values)
 
     def resolve(v: Any) -> str | None:
         return None if v is None else f"{digests[v[1]] if isinstance(v, tuple) else v:032x}"

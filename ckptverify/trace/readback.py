@@ -10,7 +10,6 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ckptverify.fingerprint.spec import MASK64 as _MASK64
 from ckptverify.fingerprint.subclass import is_wrapper_subclass
 from ckptverify.trace import category, hostread
 from ckptverify.trace.store import Cell
@@ -103,12 +102,6 @@ class _ReadBack:
         return out
 
 
-def _pair_digests(values: list[int]) -> list[int]:
-    """Flattened ``(n, 2)`` lane sums (signed, as read back) as ``n`` unsigned 128-bit member digests."""
-    it = iter(values)
-    return [(a & _MASK64) << 64 | (b & _MASK64) for a, b in zip(it, it, strict=True)]
-
-
 def _digests_later(tensors: list[Any], finish: Callable[[list[int]], list[Cell]]) -> list[Item]:
     """``finish(digests)`` of the member digests of plain local ``tensors``: host ones now, device ones in one
     batched pass read back with the step. Returns the cells, or one deferred item making them."""
@@ -125,7 +118,7 @@ def _digests_later(tensors: list[Any], finish: Callable[[list[int]], list[Cell]]
         digests = [0] * len(tensors)
         for i, d in known.items():
             digests[i] = d
-        for i, d in zip(device, _pair_digests(values), strict=True):
+        for i, d in zip(device, category.pair_digests(values), strict=True):
             digests[i] = d
         return finish(digests)
 

@@ -21,7 +21,6 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.errors import UsageError
@@ -81,14 +80,11 @@ class TraceRecorder:
             raise UsageError(f"trace header says rank {header.rank}, but this process is rank {rank}")
         if header.world_size is not None and header.world_size != world:
             raise UsageError(f"trace header says world size {header.world_size}, but the job has {world}")
-        self.header = header.with_rank(rank, world)
-        self.level = self.header.level
+        self.header = replace(header, rank=rank, world_size=world)
         #: What the level records (each level includes the ones before it).
         self.records_state, self.records_comm, self.records_modules, self.records_ops = (
-            LEVELS.index(self.level) >= LEVELS.index(x) for x in ("state", "comm", "module", "op"))
+            LEVELS.index(header.level) >= LEVELS.index(x) for x in ("state", "comm", "module", "op"))
         self.detail = self.header.detail
-        self.rank = rank
-        self.run_dir = Path(path)
         self.store_path = rank_store_path(path, rank)
         self.writer = TraceWriter(self.store_path, header=self.header, flush_every=flush_every, overwrite=overwrite)
         self._model: Any = None

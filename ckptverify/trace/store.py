@@ -20,7 +20,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from ckptverify.safeparse import safejson
 from ckptverify.safeparse.readers import read_small_file
 from ckptverify.safeparse.zstd import decompress as zstd_decompress
 
-__all__ = ["CATEGORIES", "DIGEST_ENCODINGS", "ENCODINGS", "KINDS", "LEVELS", "TRACE_SCHEMA", "TRACE_SCHEMA_VERSION",
+__all__ = ["DIGEST_ENCODINGS", "ENCODINGS", "KINDS", "LEVELS", "TRACE_SCHEMA", "TRACE_SCHEMA_VERSION",
            "Cell", "Site", "Trace", "TraceHeader", "TraceRow", "TraceWriter", "open_trace", "rank_store_path"]
 
 TRACE_SCHEMA = "ckptverify/trace"
@@ -77,7 +77,6 @@ KINDS: dict[str, str] = {
     "counter": "counters",
     "extra": "extras",
 }
-CATEGORIES = tuple(dict.fromkeys(KINDS.values()))
 
 #: How a cell's 128 bits read: ``fp128`` tensor fingerprint, ``digest128`` xxh3-128, ``f64``/``i64`` a number in
 #: lane 0 (lane 1 is 0), ``set128`` a category cell (:mod:`ckptverify.trace.category`).
@@ -92,6 +91,15 @@ MAX_ROWS = 1 << 24
 MAX_SITES = 1 << 20
 MAX_CHUNK_BYTES = 256 << 20
 MAX_METADATA_BYTES = 256 << 20
+
+#: Rows read at once (compared, or cached for cells looked up one by one), capped in bytes for wide traces.
+BLOCK_ROWS = 256
+BLOCK_BYTES = 64 << 20
+
+
+def block_rows(width: int) -> int:
+    """How many rows of ``width`` sites to read at once (17 bytes a cell)."""
+    return max(1, min(BLOCK_ROWS, BLOCK_BYTES // (17 * max(1, width))))
 
 
 def _torch_version() -> str:
@@ -161,9 +169,6 @@ class TraceHeader:
         if missing:
             raise CkptVerifyError(f"damaged trace header: no {', '.join(missing)}")
         return header
-
-    def with_rank(self, rank: int, world_size: int) -> TraceHeader:
-        return replace(self, rank=rank, world_size=world_size)
 
     def differences(self, other: TraceHeader, ignore: Iterable[str] = ("run",)) -> list[str]:
         """Names of the fields that differ, ``ignore`` aside; ``digest_encoding`` counts only when both are known."""
@@ -603,7 +608,11 @@ class _Array:
         if raw is None:
             return None
         if self.zstd:
-            raw = _zstd(raw, self.chunk_bytes, where)
+            # Decoded into exactly the chunk's size, which its frames must declare (so none inflates past it).
+            try:
+                raw = zstd_decompress(raw, self.chunk_bytes, exact=True)
+            except ValueError as exc:
+                raise CkptVerifyError(f"{where}: {exc}") from None
         if len(raw) != self.chunk_bytes:
             raise CkptVerifyError(f"{where}: {len(raw)} bytes, its array's chunks hold {self.chunk_bytes}")
         return np.frombuffer(raw, dtype=self.dtype).reshape(self.chunks)
@@ -658,20 +667,8 @@ class _Array:
         return out
 
 
-def _zstd(raw: bytes, size: int, where: Path) -> bytes:
-    """``raw`` decoded into exactly ``size`` bytes, which its frames must declare (so none inflates past it)."""
-    try:
-        return zstd_decompress(raw, size, exact=True)
-    except ValueError as exc:
-        raise CkptVerifyError(f"{where}: {exc}") from None
-
-
 class Trace:
     """A trace store opened for reading. Use :func:`open_trace`."""
-
-    #: Rows read at once (and cached) when cells are looked up one by one, and the most bytes they may take.
-    _BLOCK = 256
-    _BLOCK_BYTES = 64 << 20
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -763,7 +760,7 @@ class Trace:
 
     def _row(self, row: int) -> tuple[np.ndarray, np.ndarray]:
         if self._cache is None or not self._cache[0] <= row < self._cache[0] + self._cache[1].shape[0]:
-            block = max(1, min(self._BLOCK, self._BLOCK_BYTES // (17 * max(1, self._width))))
+            block = block_rows(self._width)
             base = row - row % block
             values, present = self.rows(base, base + block)
             self._cache = (base, values, present)

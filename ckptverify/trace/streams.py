@@ -36,14 +36,10 @@ class _PythonStream:
         if sys.implementation.name == "cpython" and sys.getsizeof(self.obj) >= 16 + _MT_BYTES:
             # PyObject_HEAD (reference count, type: 16 bytes), then `int index; uint32_t state[624]`.
             raw = (ctypes.c_char * _MT_BYTES).from_address(id(self.obj) + 16)
-            if self._decode(bytes(raw)) == random.getstate()[1]:
+            data = bytes(raw)
+            if (*memoryview(data[4:]).cast("I").tolist(), int.from_bytes(data[:4], "little", signed=True)) \
+                    == random.getstate()[1]:
                 self._raw = raw
-
-    @staticmethod
-    def _decode(raw: bytes) -> tuple[int, ...]:
-        index = int.from_bytes(raw[:4], "little", signed=True)
-        words = memoryview(raw[4:]).cast("I")
-        return (*words.tolist(), index)
 
     def key(self) -> Any:
         gauss = getattr(self.obj, "gauss_next", None)
@@ -98,7 +94,7 @@ class StreamDigests:
                "torch_cpu": _byte_state_digest(torch.get_rng_state())}
         if cuda_in_use():
             # ``cuda_device`` is left out: it is no stream, and may differ between equal runs.
-            out["cuda"] = self._tensor("cuda", torch.cuda.get_rng_state(torch.cuda.current_device()))
+            out["cuda"] = _byte_state_digest(torch.cuda.get_rng_state(torch.cuda.current_device()))
         for name, gen in self.generators.items():
             st, device = gen.get_state(), str(gen.device)
             out[f"gen.{name}"] = self._cached(f"gen.{name}", (device, xxhash.xxh3_64_intdigest(st.numpy())),
@@ -116,11 +112,6 @@ class StreamDigests:
         value = _numpy_state()
         self._numpy_gauss = bool(value["has_gauss"])
         return state_digest(value)
-
-    def _tensor(self, kind: str, t: Any) -> str:
-        if t.device.type == "cpu" and t.dtype == torch.uint8 and t.dim() == 1:
-            return _byte_state_digest(t)
-        return self._cached(kind, xxhash.xxh3_64_intdigest(t.numpy()), lambda: state_digest(t))
 
 
 _BYTE_STATE_HEAD = b"T" + len(b"torch.uint8").to_bytes(4, "little") + b"torch.uint8" + (1).to_bytes(4, "little")

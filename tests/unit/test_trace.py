@@ -162,7 +162,7 @@ def test_presence_difference_is_a_divergence(tmp_path: Path) -> None:
 
 def test_a_comparison_reads_past_the_first_divergent_block_only_when_every_step_is_asked(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptverify.trace import compare
+    from ckptverify.trace import store
 
     header = TraceHeader(run="a", level="metrics", rank=0, world_size=1)
     for name, loss_at, norm_at in (("a", None, None), ("b", 2, 5)):
@@ -170,7 +170,7 @@ def test_a_comparison_reads_past_the_first_divergent_block_only_when_every_step_
             for step in range(1, 7):
                 w.append(step, [Cell.from_float("metric.loss", "metric", 1.0 + (step == loss_at)),
                                 Cell.from_float("metric.grad_norm", "metric", 1.0 + (step == norm_at))])
-    monkeypatch.setattr(compare, "_BLOCK", 1)  # one step a block
+    monkeypatch.setattr(store, "BLOCK_ROWS", 1)  # one step a block
     (first,) = rank_comparisons(tmp_path / "a", tmp_path / "b")
     assert first.first is not None and first.first.step == 2 and first.differing == ("metric.loss",)
     (every,) = rank_comparisons(tmp_path / "a", tmp_path / "b", every_step=True)
