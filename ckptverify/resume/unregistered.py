@@ -280,12 +280,9 @@ def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
             tensor(path, var, obj)
         elif obj is None or isinstance(obj, bool | int | float | str):
             put(path, var, f"{type(obj).__name__}:{obj!r}")
-        elif depth < HELD_DEPTH and isinstance(obj, Mapping):
-            for key in list(obj)[:HELD_ITEMS]:
-                scalars(f"{path}[{key!r}]", var, obj[key], depth + 1)
-        elif depth < HELD_DEPTH and isinstance(obj, list | tuple):
-            for i, item in enumerate(obj[:HELD_ITEMS]):
-                scalars(f"{path}[{i}]", var, item, depth + 1)
+        elif depth < HELD_DEPTH and isinstance(obj, Mapping | list | tuple):
+            for suffix, item in items(obj):
+                scalars(path + suffix, var, item, depth + 1)
 
     def items(obj: Any) -> list[tuple[str, Any]]:
         nonlocal truncated

@@ -114,6 +114,24 @@ def test_held_state_skips_registered_state_and_its_aliases_and_names_the_rest():
             "model.0.shadow['w']"} <= set(entries)
 
 
+def test_a_state_dict_cut_at_the_item_bound_is_said_truncated():
+    """An unregistered scheduler whose ``state_dict()`` holds more items than are walked: what is walked is named
+    and the walk says it was cut, as it does for any other container."""
+    import torch
+
+    from ckptverify.resume.unregistered import HELD_ITEMS, held_state
+    from ckptverify.state.train_state import TrainState
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    sched.history = list(range(HELD_ITEMS + 1))
+    held = held_state({"sched": sched}, TrainState(model=model, optimizer=opt))
+    assert held["truncated"]
+    assert f"sched.state_dict()['history'][{HELD_ITEMS - 1}]" in held["entries"]
+    assert f"sched.state_dict()['history'][{HELD_ITEMS}]" not in held["entries"]
+
+
 def test_compare_held_names_each_variable_once_with_its_first_differing_path():
     from ckptverify.resume.unregistered import compare_held
 
