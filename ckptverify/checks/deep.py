@@ -214,6 +214,13 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
         return scans, findings
 
 
+def scan_here(desc: Description, only: set[str] | None = None) -> tuple[dict[str, TensorScan], list[Finding]]:
+    """:func:`scan_description` in this process, piece after piece, as :func:`~ckptverify.formats.describe.read_tensor`
+    bounds a view; a file changing under it leaves its pieces unreadable."""
+    return scan_description(desc, lambda fn, items: [fn(x) for x in items], only=only, view_limit=None,
+                            stop_on_change=False)
+
+
 def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, TensorScan],
                 found: list[Finding]) -> tuple[list[Finding], int]:
     """``found`` plus each tensor's verdict (the ``--deep`` checks of docs/verify.md): non-finite counts, a size limit
