@@ -31,13 +31,11 @@ from ckptverify.safeparse.zipwalk import Archive, parse_archive, range_reader
 __all__ = ["check_file", "check_json"]
 
 
-def check_file(path: str, *, name: str | None = None,
-               root: str | None = None) -> tuple[list[Finding], list[CheckCoverage], dict[str, Any]]:
-    """Check one file by content (``name``: as findings call it; ``root``: it must resolve inside it). Returns
-    findings, coverage and facts (``format``; ``bytes``; ``tensors``: the paths of the tensors it holds;
-    ``description``, where the check read the tensors: a call giving the file's
-    :func:`~ckptverify.formats.describe.describe` from this same read)."""
-    label = name or os.path.basename(path)
+def check_file(path: str, *, root: str | None = None) -> tuple[list[Finding], list[CheckCoverage], dict[str, Any]]:
+    """Check one file by content (``root``: it must resolve inside it). Returns findings, coverage and facts
+    (``format``; ``bytes``; ``tensors``: the paths of the tensors it holds; ``description``, where the check read the
+    tensors: a call giving the file's :func:`~ckptverify.formats.describe.describe` from this same read)."""
+    label = os.path.basename(path)
     try:
         f = ReadOnlyFile(path, root=root)
     except OSError as exc:
