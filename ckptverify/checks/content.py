@@ -251,10 +251,8 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
     for rec in bad:
         result.findings.extend(_crc_findings(item, archive, rec, header, computed[rec.name]))
 
-    if isinstance(header, SubclassHeader):
-        result.findings.extend(_subclass_consistency(item, archive, header))
-    elif header is not None:
-        result.findings.extend(_tensor_consistency(item, archive, header))
+    if header is not None:
+        result.findings.extend(_consistency(item, archive, header))
 
 
 def bad_records(records: list[Record], crcs: list[int]) -> list[Record] | None:
@@ -355,17 +353,14 @@ def _bit_hint(label: str, rec: Record, bit: tuple[int, int], loc: Location) -> F
     )
 
 
-def _tensor_consistency(item: Item, archive: Archive, header: TensorHeader) -> list[Finding]:
-    """A tensor record against the metadata (dtype, shape) and its storage record (:func:`storage_findings`)."""
+def _consistency(item: Item, archive: Archive, header: TensorHeader | SubclassHeader) -> list[Finding]:
+    """A tensor record against the metadata (dtype, shape; a subclass's outer ones) and its storage record, or each of
+    a subclass's inner tensors against its own (:func:`storage_findings`)."""
     record = f"{archive.prefix}/data.pkl"
-    out = _metadata_mismatch(item, header, record, f"{header.dtype} values", "a tensor")
-    return out + storage_findings(archive, header.storage_key, [header],
-                                  lambda: (item_label(item), item_location(item, record=record)))
-
-
-def _subclass_consistency(item: Item, archive: Archive, header: SubclassHeader) -> list[Finding]:
-    """A subclass record against the metadata (outer dtype, shape) and each inner header against its storage record."""
-    record = f"{archive.prefix}/data.pkl"
+    if isinstance(header, TensorHeader):
+        out = _metadata_mismatch(item, header, record, f"{header.dtype} values", "a tensor")
+        return out + storage_findings(archive, header.storage_key, [header],
+                                      lambda: (item_label(item), item_location(item, record=record)))
     loc = item_location(item, record=record)
     out = _metadata_mismatch(item, header, record, f"a {header.short_name} of {header.dtype}", f"a {header.short_name}")
     for name, part in header.parts:

@@ -199,12 +199,7 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
             return TensorScan(unreadable=[f"{t.name} chunk {list(p.chunk_offsets)}: {exc}"], chunks={p.chunk_offsets})
 
     def scan_subclass(t: TensorDesc) -> TensorScan:
-        try:
-            return scan_subclass_parts(desc, t, progress, view_limit, budgets)
-        except FileChangedError as exc:
-            if stop_on_change:
-                raise
-            return TensorScan(unreadable=[f"{t.name}: {exc}"])
+        return scan_subclass_parts(desc, t, progress, view_limit, budgets)
 
     with paused_gc():  # thousands of scans and blocks, no reference cycles (see gcpause)
         scans, findings = _merge(desc, wanted, run_map(scan, wanted), only)
