@@ -1,4 +1,4 @@
-"""Checks of single checkpoint files, recognized by their first bytes (:func:`~ckptverify.formats.single.sniff`).
+"""Checks of single checkpoint files, recognized by their first bytes (:func:`~ckptverify.formats.describe.sniff`).
 
 A zip is a whole-file ``torch.save`` (``.pt``, ``.pth``, ``.bin``, ``.ckpt``; ``dcp_to_torch_save`` output):
 checked are its zip structure, every record's CRC-32, and the pickle read inertly
@@ -21,8 +21,7 @@ from ckptverify.checks.content import bad_records, crc_disabled, crc_findings, s
 from ckptverify.dcp import safetensors
 from ckptverify.errors import ArchiveError, BadPickle, JSONError
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
-from ckptverify.formats.describe import describe
-from ckptverify.formats.single import JSON_MAX_BYTES, sniff
+from ckptverify.formats.describe import JSON_MAX_BYTES, describe, sniff
 from ckptverify.safeparse import safejson
 from ckptverify.safeparse.readers import ReadOnlyFile
 from ckptverify.safeparse.torchsave import MAX_PICKLE_BYTES, PickleScan, scan_pickle
