@@ -9,14 +9,13 @@ compared. A tensor that could not be read back fails the comparison, and compari
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
 import logging
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.checks import deep as deep_check
@@ -521,20 +520,12 @@ def decoded_values(desc: SubclassDesc, parts: dict[str, torch.Tensor]) -> torch.
         return f"no decoder for {desc.cls}"
     if importlib.util.find_spec("torchao") is None:
         return "torchao is not installed (pip install 'ckptverify[lowprec]')"
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # torchao's and torch's import-time warnings: noise, not findings
     try:
-        with _quiet_import():
-            return decoder(json.loads(desc.context), parts)
+        return decoder(json.loads(desc.context), parts)
     except (ValueError, TypeError, RuntimeError, AssertionError, KeyError, NotImplementedError, ImportError) as exc:
         return f"decoding failed: {type(exc).__name__}: {exc}"[:300]
-
-
-@contextlib.contextmanager
-def _quiet_import() -> Iterator[None]:
-    """Silence torchao's and torch's import-time warnings (noise, not findings)."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        yield
     finally:
         logging.disable(previous)
 

@@ -63,7 +63,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     elif other is not None:
         report = _verify_folder(root, jobs, deep, use_manifest, started)
     else:
-        run = VerificationRun(root, jobs or _default_jobs(root), progress, executor=executor)
+        # One worker per core; for a URL at least remote.JOBS (network-bound).
+        workers = jobs or (max(default_jobs(), remote.JOBS) if url else default_jobs())
+        run = VerificationRun(root, workers, progress, executor=executor)
         report = _executed(run, deep, use_manifest, started)
         if use_manifest:
             advice = _fingerprint_advice(root, list(report.findings), bool(report.stats.get("manifest")))
@@ -162,15 +164,6 @@ def _under(sub: str, findings: Any) -> list[Finding]:
         out.append(dataclasses.replace(f, location=dataclasses.replace(
             where, file=f"{sub}/{where.file}" if where.file else f"{sub}/")))
     return out
-
-
-def _default_jobs(root: str) -> int:
-    """One worker per core; for a URL at least :data:`~ckptverify.safeparse.remote.JOBS` (network-bound)."""
-    if paths.is_url(root):
-        from ckptverify.safeparse import remote
-
-        return max(default_jobs(), remote.JOBS)
-    return default_jobs()
 
 
 def _other_format(root: str) -> tuple[str | None, list[Any], bool]:
