@@ -128,7 +128,7 @@ def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: boo
         try:
             outcomes[n] = ItemPlan(item, parse_archive(range_reader(f, item.offset, item.length), item.length))
         except ArchiveError as exc:
-            outcomes[n] = _structure_finding(item, exc)
+            outcomes[n] = structure_finding(item_label(item), exc, item_location(item), item.offset, item.length)
     for start, end, batch in read_windows(((item.offset, item.end, (n, item)) for n, item in small), overlap=True):
         buf = f.pread(start, end - start)
         for n, item in batch:
@@ -177,7 +177,7 @@ def _plan_in_memory(buf: bytes, base: int, item: Item, templates: TemplateCache)
         try:
             parsed = parse_item(buf, base, length)
         except ArchiveError as exc:
-            return _structure_finding(item, exc)
+            return structure_finding(item_label(item), exc, item_location(item), item.offset, item.length)
         archive, known = parsed.archive, [None] * len(parsed.archive.records)
     view = memoryview(buf)
     crcs = [c if c is not None else crc32(view[base + r.data_offset:base + r.data_end])
@@ -189,14 +189,13 @@ def _plan_in_memory(buf: bytes, base: int, item: Item, templates: TemplateCache)
     return ItemPlan(item, archive, crcs=crcs, pkl=data_pkl)
 
 
-def _structure_finding(item: Item, exc: ArchiveError) -> Finding:
-    start = item.offset + (exc.start or 0)
-    end = item.offset + (exc.end if exc.end else item.length)
-    return error(
-        "zip-structure",
-        f"{item_label(item)} is not an intact torch.save archive: {exc}",
-        location=item_location(item, byte_range=(start, max(end, start + 1))),
-    )
+def structure_finding(label: str, exc: ArchiveError, where: Location, base: int, length: int) -> Finding:
+    """The ``zip-structure`` error of archive ``label`` (bytes ``[base, base + length)`` of ``where``'s file), which did
+    not parse: at the bytes ``exc`` names, else from their start to the archive's end."""
+    start = base + (exc.start or 0)
+    end = base + (exc.end if exc.end else length)
+    return error("zip-structure", f"{label} is not an intact torch.save archive: {exc}",
+                 location=dataclasses.replace(where, byte_range=(start, max(end, start + 1))))
 
 
 def segments(plans: Iterable[tuple[int, ItemPlan]], max_bytes: int) -> list[Segment]:

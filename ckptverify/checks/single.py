@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from ckptverify.checks import unopened
-from ckptverify.checks.content import bad_records, crc_disabled, crc_findings, storage_findings
+from ckptverify.checks.content import bad_records, crc_disabled, crc_findings, storage_findings, structure_finding
 from ckptverify.dcp import safetensors
 from ckptverify.errors import ArchiveError, BadPickle, JSONError
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
@@ -65,10 +65,7 @@ def _check_torchsave(f: ReadOnlyFile, label: str, facts: dict[str, Any],
     try:
         archive = parse_archive(range_reader(f), f.size)
     except ArchiveError as exc:
-        start = exc.start or 0
-        end = exc.end if exc.end else f.size
-        return [error("zip-structure", f"{label} is not an intact torch.save archive: {exc}",
-                      location=Location(file=label, byte_range=(start, max(end, start + 1))))], [], None
+        return [structure_finding(label, exc, Location(file=label), 0, f.size)], [], None
     coverage = [CheckCoverage(check="zip-structure", count=1, unit="files")]
     computed = [f.crc32(rec.data_offset, rec.data_end) for rec in archive.records]
     crcs = dict(zip((rec.name for rec in archive.records), computed, strict=True))
