@@ -134,7 +134,6 @@ def _compare(sa: _Side, sb: _Side, ignore: tuple[str, ...], mapping: Sequence[tu
     used = dict.fromkeys(mapping, 0)
     a_tensors = _mapped_names(list(sa.tensors), list(mapping), used)  # B's terms -> A's name
     a_values = _mapped_names(list(sa.values), list(mapping), used)
-    a_damaged_values, b_damaged_values = sa.damaged_values, sb.damaged_values
 
     def ignored(name: str, a_name: str | None = None) -> bool:
         return any(fnmatch.fnmatchcase(name, pat) or (a_name is not None and fnmatch.fnmatchcase(a_name, pat))
@@ -205,9 +204,9 @@ def _compare(sa: _Side, sb: _Side, ignore: tuple[str, ...], mapping: Sequence[tu
             findings.append(error("diff-missing", f"value {what} is missing from {'A' if va is None else 'B'}",
                                   location=Location(fqn=name)))
             continue
-        if a_name in a_damaged_values or name in b_damaged_values:
+        if a_name in sa.damaged_values or name in sb.damaged_values:
             values_uncompared += 1
-            side = "A" if a_name in a_damaged_values else "B"
+            side = "A" if a_name in sa.damaged_values else "B"
             findings.append(info("diff-uncompared", f"value {what}: its file is damaged in {side}; not compared",
                                  location=Location(fqn=name)))
             continue
