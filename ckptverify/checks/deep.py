@@ -198,12 +198,10 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
                 raise
             return TensorScan(unreadable=[f"{t.name} chunk {list(p.chunk_offsets)}: {exc}"], chunks={p.chunk_offsets})
 
-    def scan_subclass(t: TensorDesc) -> TensorScan:
-        return scan_subclass_parts(desc, t, progress, view_limit, budgets)
-
     with paused_gc():  # thousands of scans and blocks, no reference cycles (see gcpause)
         scans, findings = _merge(desc, wanted, run_map(scan, wanted), only)
-        for t, got in zip(subclassed, run_map(scan_subclass, subclassed), strict=True):
+        parts = run_map(lambda t: scan_subclass_parts(desc, t, progress, view_limit, budgets), subclassed)
+        for t, got in zip(subclassed, parts, strict=True):
             got.unreadable.extend(t.unread)
             scans[t.name] = got
         return scans, findings

@@ -28,6 +28,7 @@ def manifest_entries(desc: Description, files: list[str], digest: str,
                      block_bytes: int) -> tuple[dict[str, FileEntry], list[ItemEntry], dict[str, TensorEntry], int]:
     """Digests of ``files`` and of every tensor payload (whole, per block), and each tensor's fingerprint and NaN/Inf
     counts. Returns files, items, tensors and the count not fingerprinted."""
+    from ckptverify.checks.deep import scan_here
     from ckptverify.fingerprint import BlockDigest, digest_reader
 
     entries: dict[str, FileEntry] = {}
@@ -43,8 +44,6 @@ def manifest_entries(desc: Description, files: list[str], digest: str,
                 items.append(ItemEntry(fqn=fqn, chunk_offsets=None, file=name, offset=p.offset,
                                        length=p.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests())))
     # Fingerprints and NaN/Inf counts as the deep check rebuilds them; counts only for floating, non-empty tensors.
-    from ckptverify.checks.deep import scan_here
-
     scans, _ = scan_here(desc)
     tensors: dict[str, TensorEntry] = {}
     missing = 0
