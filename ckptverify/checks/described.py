@@ -178,15 +178,11 @@ def _for_one_file(manifest: Manifest, name: str) -> Manifest | None:
     if name not in manifest.files:
         return None
     items = [i for i in manifest.items if i.file == name]
-    fqns = {i.fqn for i in items}
-
-    def own(fqn: str) -> str:
-        return fqn.removeprefix(f"{name}:")
-
+    fqns, prefix = {i.fqn for i in items}, f"{name}:"
     return dataclasses.replace(
         manifest, files={name: manifest.files[name]}, metadata_files={},
-        items=tuple(dataclasses.replace(i, fqn=own(i.fqn)) for i in items),
-        tensors={own(f): t for f, t in manifest.tensors.items() if f in fqns})
+        items=tuple(dataclasses.replace(i, fqn=i.fqn.removeprefix(prefix)) for i in items),
+        tensors={f.removeprefix(prefix): t for f, t in manifest.tensors.items() if f in fqns})
 
 
 def judge_described(path: str, found: list[Finding], *, deep: bool, use_manifest: bool,
