@@ -158,12 +158,8 @@ def by_subfolder(names: frozenset[str]) -> dict[str, frozenset[str]]:
 
 def _under(sub: str, findings: Any) -> list[Finding]:
     """``findings`` of the DCP sub-folder ``sub`` as its folder reports them: their file as ``SUB/FILE``."""
-    out = []
-    for f in findings:
-        where = f.location
-        out.append(dataclasses.replace(f, location=dataclasses.replace(
-            where, file=f"{sub}/{where.file}" if where.file else f"{sub}/")))
-    return out
+    return [dataclasses.replace(f, location=dataclasses.replace(f.location, file=f"{sub}/{f.location.file or ''}"))
+            for f in findings]
 
 
 def _other_format(root: str) -> tuple[str | None, list[Any], bool]:
