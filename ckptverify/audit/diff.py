@@ -9,13 +9,13 @@ compared. A tensor that could not be read back fails the comparison, and compari
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import fnmatch
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.checks import deep as deep_check
@@ -58,12 +58,11 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jo
             workers = jobs or default_jobs()
             side = _DcpSide(root, workers, progress) if is_dcp(root) else _DescribedSide(root, workers)
             sides.append(side)
-            findings.extend(error(f.check, f"[{tag}] {f.message}", location=f.location, expected=f.expected,
-                                  actual=f.actual) for f in side.errors)
+            findings.extend(dataclasses.replace(f, message=f"[{tag}] {f.message}") for f in side.errors)
         found, coverage, stats = _compare(sides[0], sides[1], tuple(ignore), mapping)
         findings.extend(found)
         for tag, side in zip("AB", sides, strict=True):
-            findings.extend(error(f.check, f"[{tag}] {f.message}", location=f.location) for f in side.changed())
+            findings.extend(dataclasses.replace(f, message=f"[{tag}] {f.message}") for f in side.changed())
     except FileChangedError as exc:
         findings.append(error("file-changed", f"file changed during the comparison: {exc}",
                               location=Location(file=exc.path if isinstance(exc.path, str) else None)))
@@ -129,11 +128,12 @@ def _mapped_names(names: Sequence[str], mapping: list[tuple[str, str]],
 
 def _compare(sa: _Side, sb: _Side, ignore: tuple[str, ...], mapping: Sequence[tuple[str, str]] = (),
              ) -> tuple[list[Finding], tuple[CheckCoverage, ...], dict[str, Any]]:
+    from ckptverify.formats.describe import read_tensor
+
     findings: list[Finding] = []
     used = dict.fromkeys(mapping, 0)
     a_tensors = _mapped_names(list(sa.tensors), list(mapping), used)  # B's terms -> A's name
     a_values = _mapped_names(list(sa.values), list(mapping), used)
-    a_damaged_values, b_damaged_values = sa.damaged_values, sb.damaged_values
 
     def ignored(name: str, a_name: str | None = None) -> bool:
         return any(fnmatch.fnmatchcase(name, pat) or (a_name is not None and fnmatch.fnmatchcase(a_name, pat))
@@ -179,11 +179,11 @@ def _compare(sa: _Side, sb: _Side, ignore: tuple[str, ...], mapping: Sequence[tu
         compared += 1
         if fa == fb:
             continue
-        if sa.subclass(a_name) is not None or sb.subclass(name) is not None:
+        if sa.desc.tensors[a_name].subclass is not None or sb.desc.tensors[name].subclass is not None:
             findings.append(_subclass_finding(what, sa, a_name, sb, name, fa, fb))
             continue
         try:
-            stats = tensor_difference(sa.load(a_name), sb.load(name))
+            stats = tensor_difference(read_tensor(sa.desc, a_name), read_tensor(sb.desc, name))
         except (ValueError, RuntimeError, TypeError) as exc:
             findings.append(error("diff-tensor", f"{what} differs (by fingerprint); loading it to say how failed: "
                                   f"{exc}"[:300], location=Location(fqn=name), expected=fa, actual=fb))
@@ -204,9 +204,9 @@ def _compare(sa: _Side, sb: _Side, ignore: tuple[str, ...], mapping: Sequence[tu
             findings.append(error("diff-missing", f"value {what} is missing from {'A' if va is None else 'B'}",
                                   location=Location(fqn=name)))
             continue
-        if a_name in a_damaged_values or name in b_damaged_values:
+        if a_name in sa.damaged_values or name in sb.damaged_values:
             values_uncompared += 1
-            side = "A" if a_name in a_damaged_values else "B"
+            side = "A" if a_name in sa.damaged_values else "B"
             findings.append(info("diff-uncompared", f"value {what}: its file is damaged in {side}; not compared",
                                  location=Location(fqn=name)))
             continue
@@ -244,7 +244,7 @@ def _short(value: str) -> str:
 
 
 class _Side:
-    """One checkpoint as ``diff`` sees it: tensor names with (dtype, shape), plain values, fingerprint and load."""
+    """One checkpoint as ``diff`` sees it: tensor names with (dtype, shape), plain values, and fingerprints."""
 
     format = "?"
     errors: list[Finding]
@@ -253,26 +253,31 @@ class _Side:
     damaged_values: frozenset[str] | set[str] = frozenset()
     tensors: dict[str, tuple[str, tuple[int, ...]]]
     values: dict[str, str]
+    #: Fingerprints a manifest vouches for, by name: taken in memory at save time, and the bytes matched them.
+    saved: dict[str, str]
 
     desc: Description
 
-    def fingerprints(self, names: set[str]) -> dict[str, str]:
+    def scan(self, only: set[str]) -> dict[str, deep_check.TensorScan]:
+        """The tensors ``only`` rebuilt from their payloads (:func:`~ckptverify.checks.deep.scan_description`)."""
         raise NotImplementedError
 
-    def subclass(self, name: str) -> SubclassDesc | None:
-        """How tensor ``name`` is stored when it is stored as a tensor subclass (MXTensor, ...), else ``None``."""
-        t = self.desc.tensors.get(name)
-        return None if t is None else t.subclass
-
-    def parts(self, name: str) -> dict[str, torch.Tensor]:
-        from ckptverify.formats.describe import read_parts
-
-        return read_parts(self.desc, name)
-
-    def load(self, name: str) -> torch.Tensor:
-        from ckptverify.formats.describe import read_tensor
-
-        return read_tensor(self.desc, name)
+    def fingerprints(self, names: set[str]) -> dict[str, str]:
+        """Fingerprints of the undamaged tensors among ``names``: the manifest's, else rebuilt; ``"empty"`` for no
+        elements and nothing stored. Tensors not fully rebuilt are left out (reported as not compared)."""
+        wanted = names - self.damaged
+        out = {n: self.saved[n] for n in wanted if n in self.saved}
+        rest = wanted - set(out)
+        scans = self.scan(rest)
+        for name in sorted(rest):
+            shape = self.desc.tensors[name].shape
+            scan = scans.get(name)
+            value = scan.value(shape) if scan is not None else None
+            if value is not None:
+                out[name] = value
+            elif math.prod(shape) == 0:  # nothing stored for it (no chunk of a tensor with no elements)
+                out[name] = "empty"
+        return out
 
     def changed(self) -> list[Finding]:
         return []
@@ -323,6 +328,7 @@ class _DescribedSide(_Side):
                         or (p.file in whole and (p.file, p.offset, p.length) not in proven)):
                     self.damaged.add(t.name)
         self.tensors = {n: (t.dtype, t.shape) for n, t in self.desc.tensors.items()}
+        self.saved = {}  # every fingerprint rebuilt
         self.values = dict(self.desc.values)
         self.damaged_values = {n for n in self.values if (single or n.partition(":")[0]) in no_values}
         bad_files = set(whole) | set(ranged)
@@ -331,11 +337,8 @@ class _DescribedSide(_Side):
                 self.errors.append(error("diff-unread", f"{name} cannot be read for the comparison: {why}",
                                          location=Location(file=name)))
 
-    def fingerprints(self, names: set[str]) -> dict[str, str]:
-        # As read_tensor bounds a view, and a file changing here leaves its tensors uncompared.
-        return rebuilt_fingerprints(self.desc, names - self.damaged, lambda only: deep_check.scan_description(
-            self.desc, lambda fn, items: [fn(x) for x in items], only=only, view_limit=None,
-            stop_on_change=False)[0])
+    def scan(self, only: set[str]) -> dict[str, deep_check.TensorScan]:
+        return deep_check.scan_here(self.desc, only)[0]  # a file changing here leaves its tensors uncompared
 
 
 def _manifest_proven(root: str, desc: Description, files: set[str]) -> set[tuple[str, int, int]]:
@@ -373,24 +376,6 @@ def _manifest_proven(root: str, desc: Description, files: set[str]) -> set[tuple
     return out
 
 
-def rebuilt_fingerprints(desc: Description, names: set[str], scan: Callable[[set[str]], dict[str, Any]]
-                         ) -> dict[str, str]:
-    """Fingerprints of the tensors ``names`` of ``desc``, rebuilt from payloads by ``scan`` (the tensors' scans by
-    name, as :func:`~ckptverify.checks.deep.scan_description` gives them); ``"empty"`` for no elements and nothing
-    stored. Tensors not fully rebuilt are left out (reported as not compared)."""
-    scans = scan(names)
-    out: dict[str, str] = {}
-    for name in sorted(names):
-        shape = desc.tensors[name].shape
-        scan = scans.get(name)
-        value = scan.value(shape) if scan is not None else None
-        if value is not None:
-            out[name] = value
-        elif math.prod(shape) == 0:  # nothing stored for it (no chunk of a tensor with no elements)
-            out[name] = "empty"
-    return out
-
-
 class _DcpSide(_Side):
     """A DCP checkpoint via its pipeline's verification and description (chunks, plain values, side files)."""
 
@@ -404,7 +389,6 @@ class _DcpSide(_Side):
         self.damaged = {f.location.fqn for f in self.errors if f.location.fqn}
         self.desc = self.run.description(values=True, values_skip=self.damaged, side_files=True)
         manifest = None if any(f.check.startswith("manifest") for f in self.errors) else self.run.manifest
-        #: Fingerprints the manifest vouches for: taken in memory at save time, and the bytes matched them.
         self.saved = {n: t.fingerprint for n, t in manifest.tensors.items()
                       if t.fingerprint is not None} if manifest is not None else {}
         bad_side_files = {n for n, fmt in self.desc.files.items() if fmt != "dcp"} & \
@@ -415,11 +399,8 @@ class _DcpSide(_Side):
                 self.damaged.add(n)
         self.values = {n: v for n, v in self.desc.values.items() if n.partition(":")[0] not in bad_side_files}
 
-    def fingerprints(self, names: set[str]) -> dict[str, str]:
-        wanted = names - self.damaged
-        out = {n: self.saved[n] for n in wanted if n in self.saved}
-        out.update(rebuilt_fingerprints(self.desc, wanted - set(out), lambda only: self.run.scan(self.desc, only)))
-        return out
+    def scan(self, only: set[str]) -> dict[str, deep_check.TensorScan]:
+        return self.run.scan(self.desc, only)
 
     def changed(self) -> list[Finding]:
         return self.run.changed_files()
@@ -440,8 +421,7 @@ def _subclass_finding(what: str, sa: _Side, a_name: str, sb: _Side, b_name: str,
     from ckptverify.errors import FindingError
 
     try:
-        stats = subclass_difference(sa.subclass(a_name), sa.parts, a_name, sb.subclass(b_name), sb.parts, b_name,
-                                    sa.load, sb.load)
+        stats = subclass_difference(sa.desc, a_name, sb.desc, b_name)
     except FileChangedError:
         raise  # the comparison stops and says so
     except (ValueError, RuntimeError, TypeError, OSError, FindingError) as exc:
@@ -475,24 +455,27 @@ def _subclass_finding(what: str, sa: _Side, a_name: str, sb: _Side, b_name: str,
                  expected=fa, actual=stats)
 
 
-def subclass_difference(desc_a: SubclassDesc | None, parts_a: Any, name_a: str, desc_b: SubclassDesc | None,
-                        parts_b: Any, name_b: str, load_a: Any, load_b: Any) -> dict[str, Any]:
-    """How two stored tensors differ when either is a subclass: ``stored_as`` (A, B), ``parts`` (per inner tensor),
-    ``context`` (differing attributes), ``decoded`` (of the float32 values, or ``None`` with ``decoded_note``).
-    ``parts_*``/``load_*`` read a side's inner tensors / plain tensor."""
+def subclass_difference(desc_a: Description, name_a: str, desc_b: Description, name_b: str) -> dict[str, Any]:
+    """How tensor ``name_a`` of ``desc_a`` and ``name_b`` of ``desc_b`` differ when either is stored as a subclass:
+    ``stored_as`` (A, B), ``parts`` (per inner tensor), ``context`` (differing attributes), ``decoded`` (of the
+    float32 values, or ``None`` with ``decoded_note``)."""
     import json
 
     import torch
 
+    from ckptverify.formats.describe import read_parts, read_tensor
+
+    sub_a, sub_b = desc_a.tensors[name_a].subclass, desc_b.tensors[name_b].subclass
+
     def kind(d: SubclassDesc | None) -> str:
         return "plain" if d is None else d.cls.rsplit(".", 1)[-1]
 
-    out: dict[str, Any] = {"stored_as": [kind(desc_a), kind(desc_b)], "parts": {}, "context": {},
+    out: dict[str, Any] = {"stored_as": [kind(sub_a), kind(sub_b)], "parts": {}, "context": {},
                            "decoded": None, "decoded_note": None}
-    pa = parts_a(name_a) if desc_a is not None else None
-    pb = parts_b(name_b) if desc_b is not None else None
-    if desc_a is not None and desc_b is not None and pa is not None and pb is not None:
-        order = [p.name for p in desc_a.parts] + [p.name for p in desc_b.parts if p.name not in pa]
+    pa = read_parts(desc_a, name_a) if sub_a is not None else None
+    pb = read_parts(desc_b, name_b) if sub_b is not None else None
+    if sub_a is not None and sub_b is not None and pa is not None and pb is not None:
+        order = [p.name for p in sub_a.parts] + [p.name for p in sub_b.parts if p.name not in pa]
         for part in order:
             if part not in pa or part not in pb:
                 out["parts"][part] = f"only in {'A' if part in pa else 'B'}"
@@ -501,17 +484,17 @@ def subclass_difference(desc_a: SubclassDesc | None, parts_a: Any, name_a: str, 
                                       f"{str(pb[part].dtype)[6:]}{list(pb[part].shape)} in B")
             else:
                 out["parts"][part] = tensor_difference(pa[part], pb[part])
-        ca, cb = json.loads(desc_a.context), json.loads(desc_b.context)
+        ca, cb = json.loads(sub_a.context), json.loads(sub_b.context)
         out["context"] = {k: [ca.get(k), cb.get(k)] for k in sorted(set(ca) | set(cb)) if ca.get(k) != cb.get(k)}
     values = []
-    for d, parts, load, name in ((desc_a, pa, load_a, name_a), (desc_b, pb, load_b, name_b)):
+    for desc, sub, parts, name in ((desc_a, sub_a, pa, name_a), (desc_b, sub_b, pb, name_b)):
         got: torch.Tensor | str | None
-        if d is None:
-            plain = load(name)
+        if sub is None:
+            plain = read_tensor(desc, name)
             got = plain.to(torch.float32) if plain.is_floating_point() else \
                 f"the plain side holds {str(plain.dtype)[6:]} values"
         else:
-            got = decoded_values(d, parts)
+            got = decoded_values(sub, parts)
         if isinstance(got, str):  # why these values cannot be compared
             out["decoded_note"], got = got, None
         values.append(got)
@@ -536,20 +519,12 @@ def decoded_values(desc: SubclassDesc, parts: dict[str, torch.Tensor]) -> torch.
         return f"no decoder for {desc.cls}"
     if importlib.util.find_spec("torchao") is None:
         return "torchao is not installed (pip install 'ckptverify[lowprec]')"
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # torchao's and torch's import-time warnings: noise, not findings
     try:
-        with _quiet_import():
-            return decoder(json.loads(desc.context), parts)
+        return decoder(json.loads(desc.context), parts)
     except (ValueError, TypeError, RuntimeError, AssertionError, KeyError, NotImplementedError, ImportError) as exc:
         return f"decoding failed: {type(exc).__name__}: {exc}"[:300]
-
-
-@contextlib.contextmanager
-def _quiet_import() -> Iterator[None]:
-    """Silence torchao's and torch's import-time warnings (noise, not findings)."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        yield
     finally:
         logging.disable(previous)
 

@@ -6,7 +6,6 @@ ever written into the checkpoint."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 from collections.abc import Callable
@@ -28,24 +27,6 @@ __all__ = ["FINGERPRINT_ADVICE", "by_subfolder", "each_shard_folder", "fail_unch
            "verify_checkpoint", "verify_folder_files", "verify_part"]
 
 
-def _counts_requests(fn: Any) -> Any:
-    """For a URL: trust nothing cached, and count requests, bytes and retries in ``stats["storage"]``."""
-    @functools.wraps(fn)
-    def counted(path: str | os.PathLike[str], **kwargs: Any) -> Report:
-        if not paths.is_url(os.fspath(path)):
-            return fn(path, **kwargs)
-        from ckptverify.safeparse import remote
-
-        remote.forget(os.fspath(path))
-        before = remote.stats()
-        report = fn(path, **kwargs)
-        after = remote.stats()
-        return dataclasses.replace(report, stats={**report.stats,
-                                                  "storage": {k: after[k] - before[k] for k in after}})
-    return counted
-
-
-@_counts_requests
 def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, deep: bool = False,
                       use_manifest: bool = True, strict: bool = False,
                       progress: ProgressSink | None = None, executor: Executor | None = None) -> Report:
@@ -60,6 +41,12 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     findings, never exceptions.
     """
     root = os.fspath(path)
+    url = paths.is_url(root)
+    if url:  # trust nothing cached, and count requests, bytes and retries in stats["storage"]
+        from ckptverify.safeparse import remote
+
+        remote.forget(root)
+        before = remote.stats()
     if jobs is not None and jobs < 1:
         raise UsageError(f"--jobs must be at least 1, got {jobs}")
     if not paths.lexists(root):
@@ -76,11 +63,17 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     elif other is not None:
         report = _verify_folder(root, jobs, deep, use_manifest, started)
     else:
-        run = VerificationRun(root, jobs or _default_jobs(root), progress, executor=executor)
+        # One worker per core; for a URL at least remote.JOBS (network-bound).
+        workers = jobs or (max(default_jobs(), remote.JOBS) if url else default_jobs())
+        run = VerificationRun(root, workers, progress, executor=executor)
         report = _executed(run, deep, use_manifest, started)
         if use_manifest:
             advice = _fingerprint_advice(root, list(report.findings), bool(report.stats.get("manifest")))
             report = dataclasses.replace(report, findings=(*report.findings, *advice))
+    if url:
+        after = remote.stats()
+        storage = {k: after[k] - before[k] for k in after}
+        report = dataclasses.replace(report, stats={**report.stats, "storage": storage})
     return fail_uncheckable(report) if strict else report
 
 
@@ -165,21 +158,8 @@ def by_subfolder(names: frozenset[str]) -> dict[str, frozenset[str]]:
 
 def _under(sub: str, findings: Any) -> list[Finding]:
     """``findings`` of the DCP sub-folder ``sub`` as its folder reports them: their file as ``SUB/FILE``."""
-    out = []
-    for f in findings:
-        where = f.location
-        out.append(dataclasses.replace(f, location=dataclasses.replace(
-            where, file=f"{sub}/{where.file}" if where.file else f"{sub}/")))
-    return out
-
-
-def _default_jobs(root: str) -> int:
-    """One worker per core; for a URL at least :data:`~ckptverify.safeparse.remote.JOBS` (network-bound)."""
-    if paths.is_url(root):
-        from ckptverify.safeparse import remote
-
-        return max(default_jobs(), remote.JOBS)
-    return default_jobs()
+    return [dataclasses.replace(f, location=dataclasses.replace(f.location, file=f"{sub}/{f.location.file or ''}"))
+            for f in findings]
 
 
 def _other_format(root: str) -> tuple[str | None, list[Any], bool]:
@@ -213,39 +193,39 @@ def _other_format(root: str) -> tuple[str | None, list[Any], bool]:
 
 def _verify_file(path: str, started: float, deep: bool = False, use_manifest: bool = True) -> Report:
     """A single file, judged by content and by its own manifest beside it."""
-    from ckptverify.checks.described import judge_described
     from ckptverify.checks.single import check_file
 
-    found, coverage, facts = check_file(path, name=os.path.basename(path), root=os.path.dirname(os.path.abspath(path)))
-    found, more, with_manifest = judge_described(path, found, deep=deep, use_manifest=use_manifest,
-                                                 described=facts.get("description"))
-    coverage = [*coverage, *more]
-    if use_manifest:
-        found.extend(_fingerprint_advice(path, found, with_manifest))
-    stats = _stats(started, 1, facts.get("bytes", 0), facts.get("format"), with_manifest, deep,
-                   tensors=len(facts.get("tensors", {})))
-    return Report(command="verify", target=path, findings=tuple(cap_findings(found)),
-                  coverage=merge_coverage(coverage), stats=stats)
+    found, coverage, facts = check_file(path, root=os.path.dirname(os.path.abspath(path)))
+    report = _judged(path, found, coverage, facts.get("description"), started, deep, use_manifest, 1,
+                     facts.get("bytes", 0), facts.get("format"), tensors=len(facts.get("tensors", {})))
+    return dataclasses.replace(report, findings=tuple(cap_findings(report.findings)))
 
 
 def verify_folder_files(root: str | os.PathLike[str], *, deep: bool = False,
                         use_manifest: bool = True) -> tuple[Report, list[str]]:
     """A folder of checkpoint files without its DCP sub-folders (named in ``stats["parts"]``): each file by content,
     against the folder's manifest and its own (``docs/manifest.md``); and the names of the files it checked."""
-    from ckptverify.checks.described import judge_described
     from ckptverify.checks.folder import check_folder
 
     started = time.perf_counter()
     path = os.fspath(root)
     found, coverage, facts = check_folder(path)
-    findings, more, with_manifest = judge_described(path, found, deep=deep, use_manifest=use_manifest,
-                                                    described=facts["description"])
+    return _judged(path, found, coverage, facts["description"], started, deep, use_manifest, len(facts["files"]),
+                   facts.get("bytes", 0), "folder", parts=facts["dcp_parts"]), sorted(facts["files"])
+
+
+def _judged(path: str, found: list[Finding], coverage: list[Any], described: Any, started: float, deep: bool,
+            use_manifest: bool, files: int, nbytes: int, fmt: Any, **more: Any) -> Report:
+    """The report on a file or folder of files after its content checks (``found``, ``coverage``): its manifests' and
+    deep stages (:func:`~ckptverify.checks.described.judge_described`, from the reads ``described``) added."""
+    from ckptverify.checks.described import judge_described
+
+    findings, added, with_manifest = judge_described(path, found, deep=deep, use_manifest=use_manifest,
+                                                     described=described)
     if use_manifest:
         findings.extend(_fingerprint_advice(path, findings, with_manifest))
-    stats = _stats(started, len(facts["files"]), facts.get("bytes", 0), "folder", with_manifest, deep,
-                   parts=facts["dcp_parts"])
     return Report(command="verify", target=path, findings=tuple(findings), coverage=merge_coverage(
-        [*coverage, *more]), stats=stats), sorted(facts["files"])
+        [*coverage, *added]), stats=_stats(started, files, nbytes, fmt, with_manifest, deep, **more))
 
 
 def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, started: float,

@@ -128,7 +128,7 @@ def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: boo
         try:
             outcomes[n] = ItemPlan(item, parse_archive(range_reader(f, item.offset, item.length), item.length))
         except ArchiveError as exc:
-            outcomes[n] = _structure_finding(item, exc)
+            outcomes[n] = structure_finding(item_label(item), exc, item_location(item), item.offset, item.length)
     for start, end, batch in read_windows(((item.offset, item.end, (n, item)) for n, item in small), overlap=True):
         buf = f.pread(start, end - start)
         for n, item in batch:
@@ -177,7 +177,7 @@ def _plan_in_memory(buf: bytes, base: int, item: Item, templates: TemplateCache)
         try:
             parsed = parse_item(buf, base, length)
         except ArchiveError as exc:
-            return _structure_finding(item, exc)
+            return structure_finding(item_label(item), exc, item_location(item), item.offset, item.length)
         archive, known = parsed.archive, [None] * len(parsed.archive.records)
     view = memoryview(buf)
     crcs = [c if c is not None else crc32(view[base + r.data_offset:base + r.data_end])
@@ -189,14 +189,13 @@ def _plan_in_memory(buf: bytes, base: int, item: Item, templates: TemplateCache)
     return ItemPlan(item, archive, crcs=crcs, pkl=data_pkl)
 
 
-def _structure_finding(item: Item, exc: ArchiveError) -> Finding:
-    start = item.offset + (exc.start or 0)
-    end = item.offset + (exc.end if exc.end else item.length)
-    return error(
-        "zip-structure",
-        f"{item_label(item)} is not an intact torch.save archive: {exc}",
-        location=item_location(item, byte_range=(start, max(end, start + 1))),
-    )
+def structure_finding(label: str, exc: ArchiveError, where: Location, base: int, length: int) -> Finding:
+    """The ``zip-structure`` error of archive ``label`` (bytes ``[base, base + length)`` of ``where``'s file), which did
+    not parse: at the bytes ``exc`` names, else from their start to the archive's end."""
+    start = base + (exc.start or 0)
+    end = base + (exc.end if exc.end else length)
+    return error("zip-structure", f"{label} is not an intact torch.save archive: {exc}",
+                 location=dataclasses.replace(where, byte_range=(start, max(end, start + 1))))
 
 
 def segments(plans: Iterable[tuple[int, ItemPlan]], max_bytes: int) -> list[Segment]:
@@ -251,10 +250,8 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
     for rec in bad:
         result.findings.extend(_crc_findings(item, archive, rec, header, computed[rec.name]))
 
-    if isinstance(header, SubclassHeader):
-        result.findings.extend(_subclass_consistency(item, archive, header))
-    elif header is not None:
-        result.findings.extend(_tensor_consistency(item, archive, header))
+    if header is not None:
+        result.findings.extend(_consistency(item, archive, header))
 
 
 def bad_records(records: list[Record], crcs: list[int]) -> list[Record] | None:
@@ -355,17 +352,14 @@ def _bit_hint(label: str, rec: Record, bit: tuple[int, int], loc: Location) -> F
     )
 
 
-def _tensor_consistency(item: Item, archive: Archive, header: TensorHeader) -> list[Finding]:
-    """A tensor record against the metadata (dtype, shape) and its storage record (:func:`storage_findings`)."""
+def _consistency(item: Item, archive: Archive, header: TensorHeader | SubclassHeader) -> list[Finding]:
+    """A tensor record against the metadata (dtype, shape; a subclass's outer ones) and its storage record, or each of
+    a subclass's inner tensors against its own (:func:`storage_findings`)."""
     record = f"{archive.prefix}/data.pkl"
-    out = _metadata_mismatch(item, header, record, f"{header.dtype} values", "a tensor")
-    return out + storage_findings(archive, header.storage_key, [header],
-                                  lambda: (item_label(item), item_location(item, record=record)))
-
-
-def _subclass_consistency(item: Item, archive: Archive, header: SubclassHeader) -> list[Finding]:
-    """A subclass record against the metadata (outer dtype, shape) and each inner header against its storage record."""
-    record = f"{archive.prefix}/data.pkl"
+    if isinstance(header, TensorHeader):
+        out = _metadata_mismatch(item, header, record, f"{header.dtype} values", "a tensor")
+        return out + storage_findings(archive, header.storage_key, [header],
+                                      lambda: (item_label(item), item_location(item, record=record)))
     loc = item_location(item, record=record)
     out = _metadata_mismatch(item, header, record, f"a {header.short_name} of {header.dtype}", f"a {header.short_name}")
     for name, part in header.parts:

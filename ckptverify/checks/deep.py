@@ -198,20 +198,20 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
                 raise
             return TensorScan(unreadable=[f"{t.name} chunk {list(p.chunk_offsets)}: {exc}"], chunks={p.chunk_offsets})
 
-    def scan_subclass(t: TensorDesc) -> TensorScan:
-        try:
-            return scan_subclass_parts(desc, t, progress, view_limit, budgets)
-        except FileChangedError as exc:
-            if stop_on_change:
-                raise
-            return TensorScan(unreadable=[f"{t.name}: {exc}"])
-
     with paused_gc():  # thousands of scans and blocks, no reference cycles (see gcpause)
         scans, findings = _merge(desc, wanted, run_map(scan, wanted), only)
-        for t, got in zip(subclassed, run_map(scan_subclass, subclassed), strict=True):
+        parts = run_map(lambda t: scan_subclass_parts(desc, t, progress, view_limit, budgets), subclassed)
+        for t, got in zip(subclassed, parts, strict=True):
             got.unreadable.extend(t.unread)
             scans[t.name] = got
         return scans, findings
+
+
+def scan_here(desc: Description, only: set[str] | None = None) -> tuple[dict[str, TensorScan], list[Finding]]:
+    """:func:`scan_description` in this process, piece after piece, as :func:`~ckptverify.formats.describe.read_tensor`
+    bounds a view; a file changing under it leaves its pieces unreadable."""
+    return scan_description(desc, lambda fn, items: [fn(x) for x in items], only=only, view_limit=None,
+                            stop_on_change=False)
 
 
 def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, TensorScan],

@@ -13,7 +13,6 @@ import math
 import os
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from ckptverify.findings import CheckCoverage, Finding, Location, error, warning
 from ckptverify.fingerprint.nonfinite import counts_kept
@@ -22,13 +21,14 @@ from ckptverify.ownfiles.manifest import FileEntry, ItemEntry, Manifest, TensorE
 from ckptverify.safeparse import paths
 from ckptverify.safeparse.readers import ReadOnlyFile
 
-__all__ = ["check_manifest", "deep_check", "judge_described", "manifest_entries", "manifests_of"]
+__all__ = ["check_manifest", "judge_described", "manifest_entries", "manifests_of"]
 
 
 def manifest_entries(desc: Description, files: list[str], digest: str,
                      block_bytes: int) -> tuple[dict[str, FileEntry], list[ItemEntry], dict[str, TensorEntry], int]:
     """Digests of ``files`` and of every tensor payload (whole, per block), and each tensor's fingerprint and NaN/Inf
     counts. Returns files, items, tensors and the count not fingerprinted."""
+    from ckptverify.checks.deep import scan_here
     from ckptverify.fingerprint import BlockDigest, digest_reader
 
     entries: dict[str, FileEntry] = {}
@@ -44,7 +44,7 @@ def manifest_entries(desc: Description, files: list[str], digest: str,
                 items.append(ItemEntry(fqn=fqn, chunk_offsets=None, file=name, offset=p.offset,
                                        length=p.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests())))
     # Fingerprints and NaN/Inf counts as the deep check rebuilds them; counts only for floating, non-empty tensors.
-    scans, _ = _scan(desc)
+    scans, _ = scan_here(desc)
     tensors: dict[str, TensorEntry] = {}
     missing = 0
     for name, t in desc.tensors.items():
@@ -57,14 +57,6 @@ def manifest_entries(desc: Description, files: list[str], digest: str,
                                     parts=tuple(scan.part_values.items()) if fp is not None and scan.part_values
                                     else None)
     return entries, items, tensors, missing
-
-
-def _scan(desc: Description) -> tuple[dict[str, Any], list[Finding]]:
-    """Every tensor of ``desc`` rebuilt and fingerprinted in this process
-    (:func:`~ckptverify.checks.deep.scan_description`)."""
-    from ckptverify.checks.deep import scan_description
-
-    return scan_description(desc, lambda fn, items: [fn(x) for x in items], view_limit=None, stop_on_change=False)
 
 
 def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding], list[CheckCoverage]]:
@@ -136,16 +128,6 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
     return findings, coverage
 
 
-def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Finding], list[CheckCoverage]]:
-    """Rebuild every tensor and judge it as a DCP checkpoint's are (:func:`~ckptverify.checks.deep.judge_scans`).
-    Returns findings and coverage."""
-    from ckptverify.checks.deep import judge_scans
-
-    scans, found = _scan(desc)
-    findings, rebuilt = judge_scans(desc, manifest, scans, found)
-    return findings, [CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors")]
-
-
 def manifests_of(path: str) -> tuple[list[tuple[str, Manifest]], list[Finding]]:
     """Every manifest covering the file or folder at ``path`` (the rule of ``docs/manifest.md``): the folder's
     ``ckptverify.manifest.json``, and each file's own ``NAME.ckptverify.manifest.json``. Returns ``(target,
@@ -196,15 +178,11 @@ def _for_one_file(manifest: Manifest, name: str) -> Manifest | None:
     if name not in manifest.files:
         return None
     items = [i for i in manifest.items if i.file == name]
-    fqns = {i.fqn for i in items}
-
-    def own(fqn: str) -> str:
-        return fqn.removeprefix(f"{name}:")
-
+    fqns, prefix = {i.fqn for i in items}, f"{name}:"
     return dataclasses.replace(
         manifest, files={name: manifest.files[name]}, metadata_files={},
-        items=tuple(dataclasses.replace(i, fqn=own(i.fqn)) for i in items),
-        tensors={own(f): t for f, t in manifest.tensors.items() if f in fqns})
+        items=tuple(dataclasses.replace(i, fqn=i.fqn.removeprefix(prefix)) for i in items),
+        tensors={f.removeprefix(prefix): t for f, t in manifest.tensors.items() if f in fqns})
 
 
 def judge_described(path: str, found: list[Finding], *, deep: bool, use_manifest: bool,
@@ -214,6 +192,7 @@ def judge_described(path: str, found: list[Finding], *, deep: bool, use_manifest
     no longer ``content-uncheckable``. ``described``, from the reads that checked them: a single file's description,
     or a folder's files' by name (else each file is described here); each file is described once. Returns findings,
     added coverage, and whether manifests cover every file."""
+    from ckptverify.checks.deep import judge_scans, scan_here
     from ckptverify.formats.describe import describe
 
     findings = list(found)
@@ -231,6 +210,11 @@ def judge_described(path: str, found: list[Finding], *, deep: bool, use_manifest
         whole = functools.cache(functools.partial(describe, path, read=files))
     else:
         whole = functools.cache(described if callable(described) else functools.partial(describe, path))
+    # Every tensor is rebuilt once; a file's own manifest in a folder finds its tensors' rebuilds by their stored pieces
+    # (the folder may name them otherwise).
+    scans, replicas = scan_here(whole()) if deep else ({}, [])
+    by_pieces = {tuple(pieces): scans[n] for n, t in whole().tensors.items()
+                 if n in scans and (pieces := stored_payloads(t))} if deep and folder else {}
     folder_manifest = None
     for target, manifest in manifests:
         if folder and target != path:
@@ -242,19 +226,19 @@ def judge_described(path: str, found: list[Finding], *, deep: bool, use_manifest
         findings.extend(checked)
         coverage.extend(cov)
         covered |= {n for n in manifest.files if paths.lexists(os.path.join(desc.root, n))}
-        if deep and folder and target != path:
-            # A file's own manifest in a folder: fingerprints compared here; the folder's deep check rebuilds.
-            more, _ = deep_check(desc, manifest)
+        if deep and folder and target != path:  # its fingerprints compared here; the folder's deep check judges
+            own = {n: s for n, t in desc.tensors.items()
+                   if (s := by_pieces.get(tuple(stored_payloads(t)))) is not None}
+            more, _ = judge_scans(desc, manifest, own, [])
             findings.extend(f for f in more if f.check == "fingerprint" and f.expected is not None)
     # Content a manifest checked is no longer uncheckable: it was compared, and any change is an error above.
     # A file added to a fingerprinted folder is vouched for when its own manifest covers it.
     findings = [f for f in findings if not (f.check in ("content-uncheckable", "manifest-unlisted")
                                             and f.location.file in covered)]
     if deep:
-        desc = whole()
-        own = folder_manifest if folder else next((m for _, m in manifests), None)
-        checked, cov = deep_check(desc, own)
-        findings.extend(checked)
-        coverage.extend(cov)
+        own_manifest = folder_manifest if folder else next((m for _, m in manifests), None)
+        judged, rebuilt = judge_scans(whole(), own_manifest, scans, replicas)
+        findings.extend(judged)
+        coverage.append(CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors"))
     every = set(folder_files(path)) if folder else {os.path.basename(paths.abspath(path))}
     return findings, coverage, bool(manifests) and every <= covered

@@ -230,11 +230,10 @@ def _payload_elements(item: Item, plan: ItemPlan | None, start: int, end: int) -
     rec = plan.archive.record(f"data/{plan.header.storage_key}")
     if rec is None:
         return None
-    lo = max(start, item.offset + rec.data_offset)
-    hi = min(end, item.offset + rec.data_end)
+    base = item.offset + rec.data_offset
+    lo, hi = max(start, base), min(end, item.offset + rec.data_end)
     if lo >= hi:
         return None
-    base = item.offset + rec.data_offset
     return touched_elements(lo - base, hi - base, DTYPE_ITEMSIZE[plan.header.dtype], plan.header.storage_offset,
                             item.chunk.numel)
 

@@ -1,4 +1,4 @@
-"""Checks of single checkpoint files, recognized by their first bytes (:func:`~ckptverify.formats.single.sniff`).
+"""Checks of single checkpoint files, recognized by their first bytes (:func:`~ckptverify.formats.describe.sniff`).
 
 A zip is a whole-file ``torch.save`` (``.pt``, ``.pth``, ``.bin``, ``.ckpt``; ``dcp_to_torch_save`` output):
 checked are its zip structure, every record's CRC-32, and the pickle read inertly
@@ -17,12 +17,11 @@ import os
 from typing import Any
 
 from ckptverify.checks import unopened
-from ckptverify.checks.content import bad_records, crc_disabled, crc_findings, storage_findings
+from ckptverify.checks.content import bad_records, crc_disabled, crc_findings, storage_findings, structure_finding
 from ckptverify.dcp import safetensors
 from ckptverify.errors import ArchiveError, BadPickle, JSONError
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
-from ckptverify.formats.describe import describe
-from ckptverify.formats.single import JSON_MAX_BYTES, sniff
+from ckptverify.formats.describe import JSON_MAX_BYTES, describe, sniff
 from ckptverify.safeparse import safejson
 from ckptverify.safeparse.readers import ReadOnlyFile
 from ckptverify.safeparse.torchsave import MAX_PICKLE_BYTES, PickleScan, scan_pickle
@@ -31,13 +30,11 @@ from ckptverify.safeparse.zipwalk import Archive, parse_archive, range_reader
 __all__ = ["check_file", "check_json"]
 
 
-def check_file(path: str, *, name: str | None = None,
-               root: str | None = None) -> tuple[list[Finding], list[CheckCoverage], dict[str, Any]]:
-    """Check one file by content (``name``: as findings call it; ``root``: it must resolve inside it). Returns
-    findings, coverage and facts (``format``; ``bytes``; ``tensors``: the paths of the tensors it holds;
-    ``description``, where the check read the tensors: a call giving the file's
-    :func:`~ckptverify.formats.describe.describe` from this same read)."""
-    label = name or os.path.basename(path)
+def check_file(path: str, *, root: str | None = None) -> tuple[list[Finding], list[CheckCoverage], dict[str, Any]]:
+    """Check one file by content (``root``: it must resolve inside it). Returns findings, coverage and facts
+    (``format``; ``bytes``; ``tensors``: the paths of the tensors it holds; ``description``, where the check read the
+    tensors: a call giving the file's :func:`~ckptverify.formats.describe.describe` from this same read)."""
+    label = os.path.basename(path)
     try:
         f = ReadOnlyFile(path, root=root)
     except OSError as exc:
@@ -68,10 +65,7 @@ def _check_torchsave(f: ReadOnlyFile, label: str, facts: dict[str, Any],
     try:
         archive = parse_archive(range_reader(f), f.size)
     except ArchiveError as exc:
-        start = exc.start or 0
-        end = exc.end if exc.end else f.size
-        return [error("zip-structure", f"{label} is not an intact torch.save archive: {exc}",
-                      location=Location(file=label, byte_range=(start, max(end, start + 1))))], [], None
+        return [structure_finding(label, exc, Location(file=label), 0, f.size)], [], None
     coverage = [CheckCoverage(check="zip-structure", count=1, unit="files")]
     computed = [f.crc32(rec.data_offset, rec.data_end) for rec in archive.records]
     crcs = dict(zip((rec.name for rec in archive.records), computed, strict=True))

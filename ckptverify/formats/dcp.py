@@ -8,7 +8,7 @@ their bytes' digest). Opens no file: it reads through the readers the pipeline o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from ckptverify.dcp.layout import Item, Layout
@@ -69,7 +69,16 @@ def describe_dcp(root: str, layout: Layout, read: Iterable[ReadItem], *, files: 
     if values:
         desc.values.update(_values(r for r in read if r.item.kind == "bytes" and r.item.fqn not in values_skip))
     shared = {n: f for n, f in files.items() if f is not None}
-    desc.opener = _opener(shared, readers)
+
+    def open_(what: Payload | str) -> Any:
+        if isinstance(what, str):
+            return shared[what]
+        if what.stored is not None:  # an encoded payload: the decoded stream of its item
+            start, end = what.stored
+            return readers[(what.file, start, end - start)]
+        return shared[what.file]
+
+    desc.opener = open_
     return desc
 
 
@@ -99,18 +108,6 @@ def _payload(r: ReadItem, rec: Record, view: TensorHeader, chunk_offsets: tuple[
                    shape=view.size, stride=view.stride, storage_offset=view.storage_offset,
                    chunk_offsets=chunk_offsets, encoding="+".join(item.transforms) if encoded else "raw",
                    checksum=r.checksum, stored=(item.offset, item.end) if encoded else None)
-
-
-def _opener(files: dict[str, Any], readers: dict[tuple[str, int, int], Any]) -> Callable[[Payload | str], Any]:
-    def open_(what: Payload | str) -> Any:
-        if isinstance(what, str):
-            return files[what]
-        if what.stored is not None:
-            start, end = what.stored
-            return readers[(what.file, start, end - start)]
-        return files[what.file]
-
-    return open_
 
 
 def _values(items: Iterable[ReadItem]) -> dict[str, str]:

@@ -15,6 +15,7 @@ import itertools
 import math
 import os
 import stat
+import struct
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -24,31 +25,50 @@ from ckptverify.dcp import safetensors
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 from ckptverify.dcp.tensors import BLOCK_BYTES
 from ckptverify.errors import ArchiveError, BadPickle, FindingError, JSONError
-from ckptverify.formats.single import JSON_MAX_BYTES, sniff
 from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES, PARTS_PREFIX
 from ckptverify.safeparse import paths, safejson
 from ckptverify.safeparse.dtypes import contiguous_strides, is_row_major, view_extent
 from ckptverify.safeparse.readers import ReadOnlyFile
 from ckptverify.safeparse.torchsave import MAX_PICKLE_BYTES, PickleScan, leaf_values, scan_pickle
-from ckptverify.safeparse.zipwalk import Archive, parse_archive, range_reader
+from ckptverify.safeparse.zipwalk import Archive, looks_like_zip, parse_archive, range_reader
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc", "add_side_files",
-           "describe", "folder_files", "is_own_file", "iter_payload_blocks", "read_parts",
-           "read_payload", "read_tensor", "stored_part", "stored_payloads", "view_span"]
+__all__ = ["JSON_MAX_BYTES", "Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc",
+           "add_side_files", "describe", "folder_files", "is_own_file", "iter_payload_blocks", "read_parts",
+           "read_payload", "read_tensor", "sniff", "stored_part", "stored_payloads", "view_span"]
 
 
 def is_own_file(name: str) -> bool:
     """ckptverify's own files: manifest, stamp, a file's manifest beside it, parts plan and verdicts."""
     return name in OWN_FILES or name.endswith(f".{MANIFEST_FILE}") or name.startswith(PARTS_PREFIX)
+
+
 _WEIGHT_PREFIXES = ("pytorch_model", "model")
 #: Bound on bytes laid out by views expanding their storage (stride 0, overlaps), per view and per deep scan:
 #: otherwise a few stored bytes could stand for unbounded work.
 MAX_VIEW_BYTES = 4 << 30
 #: Largest such view materialised whole (:func:`read_tensor`, :func:`read_parts`).
 MAX_MATERIALISED_VIEW_BYTES = 256 << 20
+#: Largest JSON side file (config, index, trainer state) that is parsed.
+JSON_MAX_BYTES = 64 << 20
+
+
+def sniff(head: bytes) -> str | None:
+    """``torch.save`` (a zip), ``safetensors`` (an 8-byte length plus JSON), ``pickle`` (a protocol byte: legacy
+    ``torch.save``) or ``None`` from a file's first 16 bytes; never by name alone. Safetensors is tried first: its
+    first byte is ``0x80`` for one header length in 256, while a pickle never has ``{`` at byte 8 (legacy
+    ``torch.save`` has its magic number there)."""
+    if looks_like_zip(head):
+        return "torch.save"
+    if len(head) >= 9:
+        (n,) = struct.unpack("<Q", head[:8])
+        if 2 <= n <= safetensors.MAX_HEADER_BYTES and head[8:9] == b"{":
+            return "safetensors"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "pickle"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,11 +31,8 @@ def _traces(trace_dirs: Mapping[str, str]) -> dict[str, dict[int, Any]]:
     from ckptverify.trace.compare import run_stores
     from ckptverify.trace.store import open_trace
 
-    out: dict[str, dict[int, Any]] = {}
-    for name, d in trace_dirs.items():
-        if d and os.path.isdir(d):
-            out[name] = {rank: open_trace(path) for rank, path in run_stores(d).items()}
-    return out
+    return {name: {rank: open_trace(path) for rank, path in run_stores(d).items()}
+            for name, d in trace_dirs.items() if d and os.path.isdir(d)}
 
 
 def _metric_figure(plt: Any, traces: dict[str, dict[int, Any]], path: str) -> bool:
