@@ -24,40 +24,23 @@ from ckptverify.fingerprint import eager as _ref
 from ckptverify.fingerprint.device import check_fingerprintable, device_scope
 from ckptverify.fingerprint.eager import (
     _INT_VIEW_BY_SIZE,
-    EAGER_BLOCK,
-    EAGER_BLOCK_ACCELERATOR,
-    ROW_WIDTH,
-    SUPPORTED_DTYPES,
     _Geometry,
     as_real,
     chunk_geometry,
-    dtype_name,
-    eager_block,
     eager_lanes,
     flat_bits,
     iter_blocks,
     lanes_many_eager,
     mix_tensor,
 )
-from ckptverify.fingerprint.spec import (
-    FINGERPRINT_VERSION,
-    INDEX_MULTIPLIER,
-    LANES,
-    Mixer,
-    add_lanes,
-    dtype_seed,
-    mix,
-    numpy_lanes,
-)
+from ckptverify.fingerprint.spec import INDEX_MULTIPLIER, LANES, Mixer, add_lanes, dtype_seed, mix, numpy_lanes
 from ckptverify.fingerprint.spec import MASK64 as _MASK64
 from ckptverify.fingerprint.spec import signed as _signed
 
-__all__ = ["AUTO_COMPILE_AFTER_BYTES", "COMPILED_BLOCK", "EAGER_BLOCK", "EAGER_BLOCK_ACCELERATOR",
-           "FINGERPRINT_VERSION", "INDEX_MULTIPLIER", "LANES", "NO_SCREEN", "ROW_WIDTH", "SMALL_NUMPY",
-           "SPECIAL_BITS", "STAGE_COPY", "SUPPORTED_DTYPES", "CpuBlockLanes", "chunk_geometry",
-           "compile_in_background", "cpu_block_lanes", "dtype_name", "dtype_seed", "eager_block",
-           "eager_fingerprint_lanes", "fingerprint_lanes", "fingerprint_lanes_counted", "get_backend", "host_lanes",
-           "iter_blocks", "lanes_many", "prepare_compiled", "set_backend", "thread_limit"]
+__all__ = ["AUTO_COMPILE_AFTER_BYTES", "COMPILED_BLOCK", "NO_SCREEN", "SMALL_NUMPY", "SPECIAL_BITS", "STAGE_COPY",
+           "CpuBlockLanes", "compile_in_background", "cpu_block_lanes", "eager_fingerprint_lanes", "fingerprint_lanes",
+           "fingerprint_lanes_counted", "get_backend", "host_lanes", "lanes_many", "prepare_compiled", "set_backend",
+           "thread_limit"]
 
 if TYPE_CHECKING:
     import numpy as np
@@ -65,7 +48,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 # The block geometry (``EAGER_BLOCK``, ``ROW_WIDTH``) is the eager module's, read from it at each call
-# (``_ref.ROW_WIDTH``): set it there (the names here are copies for reading).
+# (``_ref.ROW_WIDTH``): set it there.
 
 #: Elements per block of the compiled path (``COMPILED_BLOCK // ROW_WIDTH`` rows of ``ROW_WIDTH``).
 COMPILED_BLOCK = 1 << 20

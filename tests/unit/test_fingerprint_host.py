@@ -21,6 +21,7 @@ from test_fingerprint import ALL_DTYPES, backend, chunkings, eager_fingerprint, 
 from ckptverify import fingerprint as fp
 from ckptverify.fingerprint import eager as ref
 from ckptverify.fingerprint import kernels as kern
+from ckptverify.fingerprint import spec
 
 
 @contextlib.contextmanager
@@ -75,7 +76,7 @@ def test_any_thread_split_gives_the_same_lanes(rows: int, cols: int, block: int,
     part = t[:, c:]
     flat = part.contiguous().reshape(-1).view(torch.int16)
     geometry = ref.chunk_geometry(part.shape, (0, c), t.shape)
-    seeds = (kern.dtype_seed("bfloat16", 0), kern.dtype_seed("bfloat16", 1))
+    seeds = (spec.dtype_seed("bfloat16", 0), spec.dtype_seed("bfloat16", 1))
     with host_geometry(block):
         one = kern.host_lanes(flat, geometry, seeds, threads=1)
         many = kern.host_lanes(flat, geometry, seeds, threads=threads)
