@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from ckptverify import fingerprint as fp
-from ckptverify.fingerprint import kernels
+from ckptverify.fingerprint import eager, kernels
 
 #: The paths a device has (the others do not apply to it).
 PATHS = {"cpu": ("numpy", "compiled", "eager"), "cuda": ("triton", "eager")}
@@ -33,7 +33,7 @@ PATHS = {"cpu": ("numpy", "compiled", "eager"), "cuda": ("triton", "eager")}
 
 def _fingerprint(path: str, t: torch.Tensor) -> object:
     if path == "eager":
-        return kernels.eager_fingerprint_lanes(t, [0] * t.dim(), list(t.shape), kernels.dtype_name(t.dtype))
+        return kernels.eager_fingerprint_lanes(t, [0] * t.dim(), list(t.shape), eager.dtype_name(t.dtype))
     if path in ("numpy", "compiled"):
         fp.set_fingerprint_backend(path)
     return fp.tensor_fingerprint(t).lanes

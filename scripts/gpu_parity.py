@@ -42,6 +42,7 @@ from helpers.multiproc import exit_without_teardown
 from ckptverify import fingerprint as fp
 from ckptverify.fingerprint import kernels as kern
 from ckptverify.fingerprint import triton_kernel as tri
+from ckptverify.fingerprint.eager import SUPPORTED_DTYPES, dtype_name, lanes_many_eager
 
 PARTS = ("parity", "many", "throughput", "devices", "save", "dtensor")
 
@@ -79,7 +80,7 @@ def _fingerprint(path: str, t: torch.Tensor, offsets: list[int] | None = None,
     if path == "fused":
         return fp.tensor_fingerprint(t) if offsets is None else fp.chunk_fingerprint(t, offsets, gshape)
     gshape = list(t.shape) if gshape is None else gshape
-    name = kern.dtype_name(t.dtype)
+    name = dtype_name(t.dtype)
     lanes = kern.eager_fingerprint_lanes(t, offsets or [0] * len(gshape), gshape, name)
     return fp.TensorFingerprint.from_lanes(lanes, name, gshape, t.numel())
 
@@ -93,7 +94,7 @@ def part_parity(dev: torch.device, dry: bool) -> int:
     long = 1 << 10 if dry else (1 << 22) + 7
     cases = 0
     stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-    for dtype in kern.SUPPORTED_DTYPES:
+    for dtype in SUPPORTED_DTYPES:
         for path in PATHS:
             layouts: list[tuple[str, torch.Tensor, list[int] | None, list[int] | None]] = []
             base = _values(dtype, (48, 80), 7)
@@ -162,9 +163,9 @@ def part_many(dev: torch.device, dry: bool) -> int:
     tensors = [torch.randn(each + i, generator=gen).to(dev) for i in range(count)]
     tensors += [torch.randn(300, 7, generator=gen).to(dev).t(), torch.randn(11, dtype=torch.complex64).to(dev),
                 torch.randn(5000, generator=gen).to(torch.bfloat16).to(dev)]
-    want = [list(kern.fingerprint_lanes(t.cpu(), [0] * t.dim(), list(t.shape), kern.dtype_name(t.dtype)))
+    want = [list(kern.fingerprint_lanes(t.cpu(), [0] * t.dim(), list(t.shape), dtype_name(t.dtype)))
             for t in tensors[-4:]]
-    reference = kern.lanes_many_eager(tensors).tolist()
+    reference = lanes_many_eager(tensors).tolist()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -234,7 +235,7 @@ def part_devices(dev: torch.device, dry: bool) -> int:
             worker = threading.Thread(target=lambda o=on, found=out, p=path: found.append(_fingerprint(p, o)))
             worker.start()
             worker.join()
-            many = (kern.lanes_many if path == "fused" else kern.lanes_many_eager)([on]).tolist()[0]
+            many = (kern.lanes_many if path == "fused" else lanes_many_eager)([on]).tolist()[0]
             if out != [want] or [v & ((1 << 64) - 1) for v in many] != list(want.lanes):
                 _say(f"MISMATCH on {d} ({path}): {out} != {want}")
                 return 1

@@ -24,40 +24,23 @@ from ckptverify.fingerprint import eager as _ref
 from ckptverify.fingerprint.device import check_fingerprintable, device_scope
 from ckptverify.fingerprint.eager import (
     _INT_VIEW_BY_SIZE,
-    EAGER_BLOCK,
-    EAGER_BLOCK_ACCELERATOR,
-    ROW_WIDTH,
-    SUPPORTED_DTYPES,
     _Geometry,
     as_real,
     chunk_geometry,
-    dtype_name,
-    eager_block,
     eager_lanes,
     flat_bits,
     iter_blocks,
     lanes_many_eager,
     mix_tensor,
 )
-from ckptverify.fingerprint.spec import (
-    FINGERPRINT_VERSION,
-    INDEX_MULTIPLIER,
-    LANES,
-    Mixer,
-    add_lanes,
-    dtype_seed,
-    mix,
-    numpy_lanes,
-)
+from ckptverify.fingerprint.spec import INDEX_MULTIPLIER, LANES, Mixer, add_lanes, dtype_seed, mix, numpy_lanes
 from ckptverify.fingerprint.spec import MASK64 as _MASK64
 from ckptverify.fingerprint.spec import signed as _signed
 
-__all__ = ["AUTO_COMPILE_AFTER_BYTES", "COMPILED_BLOCK", "EAGER_BLOCK", "EAGER_BLOCK_ACCELERATOR",
-           "FINGERPRINT_VERSION", "INDEX_MULTIPLIER", "LANES", "NO_SCREEN", "ROW_WIDTH", "SMALL_NUMPY",
-           "SPECIAL_BITS", "STAGE_COPY", "SUPPORTED_DTYPES", "CpuBlockLanes", "chunk_geometry",
-           "compile_in_background", "cpu_block_lanes", "dtype_name", "dtype_seed", "eager_block",
-           "eager_fingerprint_lanes", "fingerprint_lanes", "fingerprint_lanes_counted", "get_backend", "host_lanes",
-           "iter_blocks", "lanes_many", "prepare_compiled", "set_backend", "thread_limit"]
+__all__ = ["AUTO_COMPILE_AFTER_BYTES", "COMPILED_BLOCK", "NO_SCREEN", "SMALL_NUMPY", "SPECIAL_BITS", "STAGE_COPY",
+           "CpuBlockLanes", "compile_in_background", "cpu_block_lanes", "eager_fingerprint_lanes", "fingerprint_lanes",
+           "fingerprint_lanes_counted", "get_backend", "host_lanes", "lanes_many", "prepare_compiled", "set_backend",
+           "thread_limit"]
 
 if TYPE_CHECKING:
     import numpy as np
@@ -65,7 +48,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 # The block geometry (``EAGER_BLOCK``, ``ROW_WIDTH``) is the eager module's, read from it at each call
-# (``_ref.ROW_WIDTH``): set it there (the names here are copies for reading).
+# (``_ref.ROW_WIDTH``): set it there.
 
 #: Elements per block of the compiled path (``COMPILED_BLOCK // ROW_WIDTH`` rows of ``ROW_WIDTH``).
 COMPILED_BLOCK = 1 << 20
@@ -122,11 +105,11 @@ AUTO_COMPILE_AFTER_BYTES = 1 << 30
 _host_bytes = 0
 _compiled_fn: Callable[..., torch.Tensor] | None = None
 _compile_failed = False
-#: (device type, bits dtype) -> whether the compiled kernel passed its check against the eager path.
-_verified: dict[tuple[str, torch.dtype], bool] = {}
+#: bits dtype -> whether the compiled (CPU) kernel passed its check against the eager path.
+_verified: dict[torch.dtype, bool] = {}
 _lock = threading.Lock()
 #: Keys whose compilation started in the background (each once per process).
-_compiling: set[tuple[str, torch.dtype]] = set()
+_compiling: set[torch.dtype] = set()
 
 
 def set_backend(name: str) -> None:
@@ -147,14 +130,14 @@ def _wants_compiled(device: torch.device, numel: int, bits_dtype: torch.dtype | 
             or _python_dispatch._get_current_dispatch_mode() is not None):
         return False
     return (_backend == "compiled" or _host_bytes >= AUTO_COMPILE_AFTER_BYTES
-            or bool(_verified.get((device.type, bits_dtype))))
+            or bool(_verified.get(bits_dtype)))
 
 
 def prepare_compiled(dtype: torch.dtype = torch.float32) -> bool:
     """Compile and check the fused CPU kernel for ``dtype`` now, waiting, so ``auto`` uses it from the first large
     chunk. ``False`` where ``torch.compile`` does not work or the kernel disagreed with eager."""
     staged = cpu_kernel_dtype(dtype)
-    return staged is not None and _compiled_kernel(staged, torch.device("cpu")) is not None
+    return staged is not None and _compiled_kernel(staged) is not None
 
 
 def compile_in_background(dtype: torch.dtype) -> None:
@@ -164,7 +147,7 @@ def compile_in_background(dtype: torch.dtype) -> None:
         return
     staged = cpu_kernel_dtype(dtype)
     if staged is not None:
-        _compiled_kernel(staged, torch.device("cpu"), wait=False)
+        _compiled_kernel(staged, wait=False)
 
 
 def cpu_kernel_dtype(dtype: torch.dtype) -> torch.dtype | None:
@@ -182,24 +165,22 @@ def _disable_compiled(reason: object) -> None:
     _compile_failed = True
 
 
-def _compiled_kernel(bits_dtype: torch.dtype, device: torch.device,
-                     wait: bool = True) -> Callable[..., torch.Tensor] | None:
+def _compiled_kernel(bits_dtype: torch.dtype, wait: bool = True) -> Callable[..., torch.Tensor] | None:
     """The compiled block kernel once it matched eager on a test block of this dtype. ``wait=False``: ``None`` unless
     ready, compilation and self-check then starting in the background (once)."""
     global _compiled_fn
-    key = (device.type, bits_dtype)
     if not wait:
-        if _verified.get(key) and _compiled_fn is not None:
+        if _verified.get(bits_dtype) and _compiled_fn is not None:
             return _compiled_fn
         with _lock:
-            if _compile_failed or key in _compiling or key in _verified:
+            if _compile_failed or bits_dtype in _compiling or bits_dtype in _verified:
                 return None
-            _compiling.add(key)
-        threading.Thread(target=_compiled_kernel, args=(bits_dtype, device), daemon=True,
+            _compiling.add(bits_dtype)
+        threading.Thread(target=_compiled_kernel, args=(bits_dtype,), daemon=True,
                          name="ckptverify-fingerprint-compile").start()
         return None
     with _lock:
-        if _compile_failed or _verified.get(key) is False:
+        if _compile_failed or _verified.get(bits_dtype) is False:
             return None
         if _compiled_fn is None:
             try:
@@ -209,20 +190,20 @@ def _compiled_kernel(bits_dtype: torch.dtype, device: torch.device,
             except Exception as exc:  # pragma: no cover - depends on the environment
                 _disable_compiled(exc)
                 return None
-        if key not in _verified:
-            _verified[key] = _self_check(_compiled_fn, bits_dtype, device)
-        return _compiled_fn if _verified[key] else None
+        if bits_dtype not in _verified:
+            _verified[bits_dtype] = _self_check(_compiled_fn, bits_dtype)
+        return _compiled_fn if _verified[bits_dtype] else None
 
 
-def _self_check(fn: Callable[..., torch.Tensor], bits_dtype: torch.dtype, device: torch.device) -> bool:
+def _self_check(fn: Callable[..., torch.Tensor], bits_dtype: torch.dtype) -> bool:
     """Run the compiled kernel and the eager path on one pseudo-random block; they must agree."""
     info = torch.iinfo(bits_dtype)
     gen = torch.Generator(device="cpu").manual_seed(0x5EED)
     bits = torch.randint(info.min, info.max, (COMPILED_BLOCK,), dtype=bits_dtype, generator=gen)
-    bits = bits.to(device).view(COMPILED_BLOCK // _ref.ROW_WIDTH, _ref.ROW_WIDTH)
+    bits = bits.view(COMPILED_BLOCK // _ref.ROW_WIDTH, _ref.ROW_WIDTH)
     first = (1 << 40) + 12345
     seeds = (dtype_seed("self-check", 0), dtype_seed("self-check", 1))
-    tables = _CompiledTables(device, seeds)
+    tables = _CompiledTables(seeds)
     # About one element in 512 matches (nine fixed bits), in every source width: the count is checked too.
     screen = (0x7FC0, 0x7FC0)
     try:
@@ -244,19 +225,18 @@ def _self_check(fn: Callable[..., torch.Tensor], bits_dtype: torch.dtype, device
 class _CompiledTables:
     """The compiled kernel's non-bits inputs for blocks of ``COMPILED_BLOCK // ROW_WIDTH`` rows of ``ROW_WIDTH``."""
 
-    def __init__(self, device: torch.device, seeds: tuple[int, int]) -> None:
+    def __init__(self, seeds: tuple[int, int]) -> None:
         k = _signed(INDEX_MULTIPLIER)
-        kw: dict = {"dtype": torch.int64, "device": device}
+        kw: dict = {"dtype": torch.int64}
         self.column_table = torch.arange(_ref.ROW_WIDTH, **kw).mul_(k)
         self._row_steps = torch.arange(COMPILED_BLOCK // _ref.ROW_WIDTH, **kw).mul_(_ref.ROW_WIDTH)
         self._row_terms = torch.empty_like(self._row_steps)
         self.seeds = torch.tensor([_signed(s) for s in seeds], **kw)
         self._k = k
-        self._device = device
 
     def screen(self, screen: tuple[int, int]) -> torch.Tensor:
         """The kernel's ``screen`` argument: ``[mask, pattern]`` (a tensor, so that no value compiles anew)."""
-        return torch.tensor([_signed(screen[0]), _signed(screen[1])], dtype=torch.int64, device=self._device)
+        return torch.tensor([_signed(screen[0]), _signed(screen[1])], dtype=torch.int64)
 
     def row_terms(self, first: int) -> torch.Tensor:
         """``(first + r * ROW_WIDTH) * K`` for each row ``r``."""
@@ -325,7 +305,7 @@ def _lanes(
         stage_dtype = cpu_kernel_dtype(flat.dtype)
         if geometry.run_length >= COMPILED_BLOCK and _wants_compiled(device, flat.numel(), stage_dtype):
             # Backend "auto" does not wait for the compilation: the host path takes the chunks until it is ready.
-            compiled = _compiled_kernel(stage_dtype, device, wait=_backend == "compiled")
+            compiled = _compiled_kernel(stage_dtype, wait=_backend == "compiled")
             if compiled is not None:
                 # Blocks split between threads: the kernel is single-threaded (its own OpenMP team ran 3-10x slower
                 # on a busy machine).
@@ -401,7 +381,7 @@ class CpuBlockLanes:
         if got is None:
             if len(cache) >= 8:  # a few dtypes and screens at a time: the oldest go
                 del cache[next(iter(cache))]
-            tables = _CompiledTables(torch.device("cpu"), self._seeds)
+            tables = _CompiledTables(self._seeds)
             # Staging into a reused buffer is 1.5-1.8x faster than running on the tensor's memory. Narrow bits are
             # widened to int32 (inductor vectorizes int32/int64, not int8/int16: 5x for bfloat16). numpy copies:
             # torch's copy_ is an OpenMP region whose spinning worker doubled a save's CPU time.
@@ -420,7 +400,7 @@ def cpu_block_lanes(t: torch.Tensor, offsets: Sequence[int], global_shape: Seque
     equal those of :func:`fingerprint_lanes_counted`."""
     stage = cpu_kernel_dtype(t.dtype)
     if (stage is None or not t.is_contiguous() or not _wants_compiled(t.device, t.numel(), stage)
-            or not _verified.get(("cpu", stage)) or _compiled_fn is None):
+            or not _verified.get(stage) or _compiled_fn is None):
         return None
     t, offsets, global_shape = as_real(t, offsets, global_shape)
     geometry = chunk_geometry(t.shape, offsets, global_shape)

@@ -96,6 +96,7 @@ def chunk_fingerprint_counted(
 def _chunk_fingerprint(t: torch.Tensor, global_offsets: Sequence[int], global_shape: Sequence[int],
                        counted: bool) -> tuple[TensorFingerprint, int | None]:
     from ckptverify.fingerprint import kernels as kern
+    from ckptverify.fingerprint.eager import dtype_name
     from ckptverify.fingerprint.subclass import is_wrapper_subclass
 
     offsets = [int(o) for o in global_offsets]
@@ -105,7 +106,7 @@ def _chunk_fingerprint(t: torch.Tensor, global_offsets: Sequence[int], global_sh
         if any(offsets) or gshape != list(t.shape):
             raise UsageError(f"a chunk of a {type(t).__name__} has no fingerprint (only the whole tensor has)")
         return _subclass_fingerprint(t), None
-    name = kern.dtype_name(t.dtype)
+    name = dtype_name(t.dtype)
     if counted:
         lanes, count = kern.fingerprint_lanes_counted(t, offsets, gshape, name)
     else:
@@ -159,6 +160,7 @@ def blockwise_fingerprint(t: torch.Tensor, global_offsets: Sequence[int],
     """A :class:`BlockwiseFingerprint` of ``t`` when the compiled kernel would take it now and ``t`` is contiguous;
     else ``None`` (use :func:`chunk_fingerprint_counted`)."""
     from ckptverify.fingerprint import kernels as kern
+    from ckptverify.fingerprint.eager import dtype_name
     from ckptverify.fingerprint.subclass import is_wrapper_subclass
 
     if is_wrapper_subclass(t):
@@ -166,7 +168,7 @@ def blockwise_fingerprint(t: torch.Tensor, global_offsets: Sequence[int],
     offsets = [int(o) for o in global_offsets]
     gshape = [int(s) for s in global_shape]
     try:
-        name = kern.dtype_name(t.dtype)
+        name = dtype_name(t.dtype)
     except UsageError:
         return None
     screen = kern.SPECIAL_BITS.get(t.dtype)
@@ -222,11 +224,11 @@ def part_fingerprints(t: torch.Tensor) -> dict[str, TensorFingerprint]:
 
 
 def _subclass_fingerprint(t: Any) -> TensorFingerprint:
-    from ckptverify.fingerprint import kernels as kern
+    from ckptverify.fingerprint.eager import dtype_name
     from ckptverify.fingerprint.subclass import combine_parts, flatten
 
     flat = flatten(t)
-    dtype = kern.dtype_name(t.dtype)
+    dtype = dtype_name(t.dtype)
     shape = [int(s) for s in t.shape]
     parts = [(name, tensor_fingerprint(part)) for name, part in flat.parts]
     value = combine_parts(flat.label, dtype, shape, flat.context, parts)
@@ -246,10 +248,11 @@ def _dtensor_fingerprint(t: Any) -> TensorFingerprint:
     from torch.distributed.tensor import Replicate
 
     from ckptverify.fingerprint import kernels as kern
+    from ckptverify.fingerprint.eager import dtype_name
 
     mesh = t.device_mesh
     placements = list(t.placements)
-    name = kern.dtype_name(t.dtype)
+    name = dtype_name(t.dtype)
     gshape = list(t.shape)
     if any(p.is_partial() for p in placements):
         # Pending reductions: local values are not the tensor's until reduced.

@@ -195,6 +195,7 @@ def comparable(segment: str, *, level: str, workload: str, world: int, device: s
     (other versions, level, world size, or digest encoding than a replay on ``device`` gives): :class:`UsageError`
     naming what differs."""
     from ckptverify.trace.compare import run_stores
+    from ckptverify.trace.readback import digest_encoding
     from ckptverify.trace.store import DIGEST_ENCODINGS, TraceHeader, open_trace
 
     stores = run_stores(segment)
@@ -209,9 +210,8 @@ def comparable(segment: str, *, level: str, workload: str, world: int, device: s
         raise UsageError(f"production's trace in {segment} and this replay's would describe different runs "
                          f"({detail}), so no step could be compared bitwise and nothing was started. Replay with "
                          "the versions production ran with installed.")
-    # What a replay on ``device`` records (its ranks inherit this environment).
-    want = "device" if not device.startswith("cpu") else (
-        "host-as-device" if os.environ.get("CKPTVERIFY_TRACE_HOST_AS_DEVICE") == "1" else "host")
+    # What a replay on ``device`` records: its ranks read this environment at their import, maybe unlike this process.
+    want = digest_encoding(device.startswith("cpu"), os.environ.get("CKPTVERIFY_TRACE_HOST_AS_DEVICE") == "1")
     if prod.digest_encoding not in ("unknown", want):
         raise UsageError(f"production's trace in {segment} has digest_encoding {prod.digest_encoding!r} "
                          f"({DIGEST_ENCODINGS[prod.digest_encoding]}), but a replay on --device {device} records "

@@ -17,7 +17,7 @@ import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 # SIMD CRC-32 (ISA-L): identical values to zlib.crc32, about 3-4x faster.
 from isal.isal_zlib import crc32, crc32_combine
@@ -53,25 +53,29 @@ def is_inside(root: str, path: str, *, real_root: str | None = None) -> bool:
     if is_url(path) or is_url(root):
         base = root.rstrip("/") + "/"
         return path.startswith(base) and ".." not in path[len(base):].split("/")
-    real_root = real_root or os.path.realpath(root)
-    if _resolved_entry(root, path, real_root) is not None:
-        return True
-    real = os.path.realpath(path)
-    return real != real_root and _under(real_root, real)
-
-
-def _resolved_entry(root: str, path: str, real_root: str) -> tuple[str, os.stat_result] | None:
-    """``(realpath(path), lstat)`` in one ``lstat`` when certain: ``path`` is ``root/NAME`` and that entry is no
-    symbolic link. ``None`` otherwise (the caller resolves in full). Saves a call per component per file."""
-    head, sep, name = path.rpartition("/")
-    if not sep or head.rstrip("/") != root.rstrip("/") or name in ("", ".", "..") or not root:
-        return None
-    real = os.path.join(real_root, name)
     try:
-        st = os.lstat(real)
-    except (OSError, ValueError):
-        return None
-    return None if stat.S_ISLNK(st.st_mode) else (real, st)
+        _resolve_inside(root, path, real_root or os.path.realpath(root))
+    except UnsafeFileError:
+        return False
+    return True
+
+
+def _resolve_inside(root: str, path: str, real_root: str) -> tuple[str, os.stat_result | None]:
+    """``path`` resolved (symlinks, ``..``) and, when one ``lstat`` told it, its ``lstat``; raises
+    :class:`~ckptverify.errors.UnsafeFileError` unless it lies inside ``real_root`` (``root`` resolved). That one
+    ``lstat`` suffices when ``path`` is ``root/NAME`` and that entry is no symbolic link: it saves a call per
+    component per file."""
+    head, sep, name = path.rpartition("/")
+    if sep and root and head.rstrip("/") == root.rstrip("/") and name not in ("", ".", ".."):
+        real = os.path.join(real_root, name)
+        with suppress(OSError, ValueError):
+            st = os.lstat(real)
+            if not stat.S_ISLNK(st.st_mode):
+                return real, st
+    real = os.path.realpath(path)
+    if real == real_root or not _under(real_root, real):
+        raise UnsafeFileError(f"{path} resolves to {real}, outside the checkpoint directory {real_root}", path)
+    return real, None
 
 
 def _under(real_root: str, real: str) -> bool:
@@ -97,13 +101,7 @@ def _open_regular(path: str, root: str | None, real_root: str | None) -> tuple[i
     before = None
     if root is not None:
         real_root = real_root or os.path.realpath(root)
-        entry = _resolved_entry(root, path, real_root)
-        if entry is not None:
-            target, before = entry  # its lstat: what os.stat(target, follow_symlinks=False) gives
-        else:
-            target = os.path.realpath(path)
-        if target == real_root or not _under(real_root, target):
-            raise UnsafeFileError(f"{path} resolves to {target}, outside the checkpoint directory {real_root}", path)
+        target, before = _resolve_inside(root, path, real_root)  # before, when known: what the stat below gives
     if before is None:
         before = os.stat(target, follow_symlinks=root is None)
     if not stat.S_ISREG(before.st_mode):

@@ -107,10 +107,10 @@ def _skeleton(obj: Any) -> Any:
     tuple is left: sequences become lists)."""
     import torch
 
-    from ckptverify.fingerprint import kernels as kern
+    from ckptverify.fingerprint.eager import dtype_name
 
     if isinstance(obj, torch.Tensor):
-        return kern.dtype_name(obj.dtype), list(obj.shape)
+        return dtype_name(obj.dtype), list(obj.shape)
     if isinstance(obj, Mapping):
         return {str(k): _skeleton(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):

@@ -53,41 +53,25 @@ class _Digester:
         self.bounds = list(accumulate((len(c.names) for c in categories), initial=0))
         self._spans = [(k, self.bounds[k], self.bounds[k + 1]) for k, c in enumerate(categories) if c.names]
 
-    def _host_digests(self) -> list[int] | None:
-        """A slot per member in category order, host digests filled (zero elsewhere); ``None`` when a host storage
-        moved."""
+    def digests_later(self) -> tuple[list[int], Any] | None:
+        """Every member's digest in category order, one accelerator's members left there: the digests (zero at those)
+        and that device's ``(m, 2)`` lane sums (``None``: all read, several devices being read back now); ``None``
+        when a host storage moved (rebuild)."""
         host = self._views.digests()
         if host is None or not self._device:
-            return host
+            return None if host is None else (host, None)
         out = [0] * self.count
         for i, d in zip(self._host, host, strict=True):
             out[i] = d
-        return out
+        if len(self._device) == 1:
+            (members,) = self._device.values()
+            from ckptverify.fingerprint import kernels as kern
 
-    def digests(self) -> list[int] | None:
-        """Every member's digest in category order; ``None`` when a host storage moved (rebuild)."""
-        out = self._host_digests()
-        if out is None:
-            return None
+            return out, kern.lanes_many([self._tensors[i] for i in members])
         for members in self._device.values():
             for i, d in zip(members, device_digests([self._tensors[i] for i in members]), strict=True):
                 out[i] = d
-        return out
-
-    def digests_later(self) -> tuple[list[int], Any] | None:
-        """:meth:`digests` leaving one accelerator's members there: the digests (zero at those) and the device's
-        ``(m, 2)`` lane sums (``None``: all on host); ``None`` when a host storage moved. Several devices are read
-        back now."""
-        if len(self._device) != 1:
-            digests = self.digests()
-            return None if digests is None else (digests, None)
-        out = self._host_digests()
-        if out is None:
-            return None
-        (members,) = self._device.values()
-        from ckptverify.fingerprint import kernels as kern
-
-        return out, kern.lanes_many([self._tensors[i] for i in members])
+        return out, None
 
     def fill(self, digests: list[int], values: list[int]) -> list[int]:
         """``digests`` with the device members' read-back lane sums ``values`` filled in."""
@@ -98,7 +82,7 @@ class _Digester:
         return out
 
     def cells(self, digests: list[int], detail: str) -> list[list[Cell]]:
-        """Each category's cells, from ``digests`` (see :meth:`digests`)."""
+        """Each category's cells, from ``digests`` (see :meth:`digests_later`)."""
         out: list[list[Cell]] = [[] for _ in self.categories]
         for k, lo, hi in self._spans:
             c = self.categories[k]

@@ -22,6 +22,12 @@ if TYPE_CHECKING:
 _HOST_AS_DEVICE = os.environ.get("CKPTVERIFY_TRACE_HOST_AS_DEVICE") == "1"
 
 
+def digest_encoding(on_host: bool, host_as_device: bool = _HOST_AS_DEVICE) -> str:
+    """The ``digest_encoding`` (:data:`~ckptverify.trace.store.DIGEST_ENCODINGS`) of a trace whose tensors are on
+    the host or not; ``host_as_device``: ``CKPTVERIFY_TRACE_HOST_AS_DEVICE=1`` (this process's, at import)."""
+    return "device" if not on_host else "host-as-device" if host_as_device else "host"
+
+
 def _has_parts(t: Any) -> bool:
     """A wrapper subclass (MXTensor, ...): digested now by its parts, never batched as one tensor."""
     return type(t).__name__ not in _PLAIN_TYPES and is_wrapper_subclass(t)

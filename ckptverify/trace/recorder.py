@@ -37,7 +37,7 @@ from ckptverify.trace.hyperparams import _HparamCells
 from ckptverify.trace.members import _Gradients
 from ckptverify.trace.oplog import OpWindow
 from ckptverify.trace.ops import DEFAULT_CHUNK_ELEMENTS, OpContext, StepTracer, write_op_log
-from ckptverify.trace.readback import _HOST_AS_DEVICE, Item, _Deferred, _ReadBack
+from ckptverify.trace.readback import Item, _Deferred, _ReadBack, digest_encoding
 from ckptverify.trace.sites import (
     _FIELD_ORDER,
     _WRAPPER_PARTS,
@@ -448,9 +448,7 @@ class TraceRecorder:
         if found is None:
             return
         local = local_view(found)
-        host = "host-as-device" if _HOST_AS_DEVICE else "host"
-        encoding = host if local.device.type == "cpu" else "device"
-        self.header = replace(self.header, digest_encoding=encoding)
+        self.header = replace(self.header, digest_encoding=digest_encoding(local.device.type == "cpu"))
         self.writer.set_header(self.header)
 
     def _op_log_items(self, step: int, lanes: list[Any], records: list[dict[str, Any]], dropped: int,

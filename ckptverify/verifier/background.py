@@ -357,8 +357,15 @@ class BackgroundVerifier:
 
             return run_job(task.job, task.args)
         if child:
-            return self._child.verify(job.path, job.step, job.options.verify.deep, jobs or 1, self.settle,
-                                      throttle=self._throttled, urgent=self._urgent, parts=job.parts)
+            from ckptverify.verifier.jobs import STAMP
+
+            args = {"path": job.path, "step": job.step, "deep": job.options.verify.deep, "jobs": jobs or 1,
+                    "settle": self.settle, "parts": job.parts}
+            try:
+                return Verification.from_dict(self._child.run(STAMP, args, throttle=self._throttled,
+                                                              urgent=self._urgent))
+            except (RuntimeError, TypeError) as exc:  # TypeError: an answer that is not a verification
+                return _unverified(job, "error", str(exc))
         probe = IdleProbe.open() if background and self.throttle and jobs == 1 else None  # this thread's reads
         throttle = None if probe is None else Throttle(probe)
         if throttle is not None:

@@ -231,10 +231,9 @@ class Throttle:
         self.preempted = preempted
         self.throttled_s = 0.0
         self._clock = clock
-        self._lifted = threading.Event()
+        self._lifted = threading.Event()  # also ends a wait in progress
         self._asked_lift = lifted
         self._on_lift = on_lift
-        self._wake = threading.Event()
         self._run_delay = run_delay
         self._since = clock() - window  # the first read looks
         self._measured = False
@@ -247,7 +246,6 @@ class Throttle:
     def lift(self) -> None:
         """Read at full speed from now on (and end a wait in progress)."""
         self._lifted.set()
-        self._wake.set()
 
     @property
     def lifted(self) -> bool:
@@ -299,5 +297,5 @@ class Throttle:
 
     def _wait(self, seconds: float) -> None:
         started = self._clock()
-        self._wake.wait(seconds)
+        self._lifted.wait(seconds)
         self.throttled_s += self._clock() - started

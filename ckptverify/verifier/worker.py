@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptverify.verifier.throttle import IdleProbe, Throttle
-from ckptverify.verifier.verification import Verification, unverified
 
 __all__ = ["PRIORITIES", "VerifierProcess", "lower_priority", "main", "restore_priority", "serve"]
 
@@ -205,19 +204,6 @@ class VerifierProcess:
             if fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-
-    def verify(self, path: str, step: int | None, deep: bool, jobs: int, settle: float,
-               throttle: Callable[[], bool] | None = None, urgent: Callable[[], bool] | None = None,
-               parts: bool = False) -> Verification:
-        """Have ``path`` verified and stamped (the ``stamp`` job; ``throttle``/``urgent``: see :meth:`run`;
-        ``parts``: see :func:`~ckptverify.verifier.parts.stamp_parts_locked`); no answer is no verdict."""
-        from ckptverify.verifier.jobs import STAMP
-
-        args = {"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle, "parts": parts}
-        try:
-            return Verification.from_dict(self.run(STAMP, args, throttle, urgent))
-        except (RuntimeError, TypeError) as exc:  # TypeError: an answer that is not a verification
-            return unverified(path, step, "error", str(exc), deep=deep)
 
     def run(self, job: str, args: dict[str, Any], throttle: Callable[[], bool] | None = None,
             urgent: Callable[[], bool] | None = None) -> Any:

@@ -58,10 +58,10 @@ def test_fingerprints_on_the_gpu_equal_the_cpu_ones(dtype: torch.dtype, path: st
     # Non-contiguous views on the GPU fingerprint as their values.
     assert whole(t.cuda().t()) == tensor_fingerprint(t.t().contiguous())
     if path == "triton":
-        from ckptverify.fingerprint import kernels as kern
+        from ckptverify.fingerprint import eager as ref
         from ckptverify.fingerprint import triton_kernel as tri
 
-        width = kern._INT_VIEW_BY_SIZE[t.element_size()]
+        width = ref._INT_VIEW_BY_SIZE[t.element_size()]
         assert tri._verified.get(("cuda", width)) is True  # the fused kernel ran, and matched eager first
 
 
@@ -69,10 +69,11 @@ def test_fingerprints_on_the_gpu_equal_the_cpu_ones(dtype: torch.dtype, path: st
 def test_many_tensors_on_the_gpu_fingerprint_as_on_the_cpu(path: str) -> None:
     """What a trace digests each step (a list of tensors, one batched pass): the lanes on the GPU, through the
     Triton kernel or the eager path, equal the CPU's, and a flipped bit changes only its tensor's."""
+    from ckptverify.fingerprint import eager as ref
     from ckptverify.fingerprint import kernels as kern
     from ckptverify.fingerprint import triton_kernel as tri
 
-    many = kern.lanes_many if path == "triton" else kern.lanes_many_eager
+    many = kern.lanes_many if path == "triton" else ref.lanes_many_eager
     tensors = [_values(dtype, n) for dtype, n in zip(DTYPES, (1, 7, 1000, 5000, (1 << 20) + 3, 65), strict=False)]
     tensors.append(torch.zeros(0))
     want = kern.lanes_many(tensors).tolist()
@@ -346,11 +347,12 @@ def test_a_tensor_written_on_a_side_stream_fingerprints_in_a_fresh_thread_as_on_
 
 
 def test_the_many_tensor_fingerprint_of_a_large_list_keeps_its_extra_memory_bounded() -> None:
+    from ckptverify.fingerprint import eager as ref
     from ckptverify.fingerprint import kernels as kern
     from ckptverify.fingerprint import triton_kernel as tri
 
     tensors = [torch.randn((1 << 18) + i, device="cuda") for i in range(256)]  # 256 MiB of small tensors
-    want = kern.lanes_many_eager(tensors).tolist()
+    want = ref.lanes_many_eager(tensors).tolist()
     kern.lanes_many(tensors[:2])  # the kernel checked and compiled outside the measurement
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -318,12 +318,13 @@ def test_the_device_and_the_plan_reach_the_workload_as_arguments_not_through_the
 def test_the_verifier_process_gets_its_priority_and_hurry_pipe_as_arguments(run: Path) -> None:
     import os
 
+    from ckptverify.verifier.jobs import STAMP
     from ckptverify.verifier.worker import VerifierProcess
 
     proc = VerifierProcess("low")
     try:
-        result = proc.verify(str(run / "step_20"), 20, False, 1, 0.0)
-        assert result.verdict == "passed", result
+        result = proc.run(STAMP, {"path": str(run / "step_20"), "step": 20, "deep": False, "jobs": 1, "settle": 0.0})
+        assert result["verdict"] == "passed", result
         assert proc._proc is not None
         pid = proc._proc.pid
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")

@@ -280,7 +280,7 @@ def test_nothing_is_launched_while_the_stream_is_capturing_a_cuda_graph(
     monkeypatch.undo()
     monkeypatch.setattr(tri, "_kernel", lambda: object())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    geometry = kern.chunk_geometry([100], [0], [100])
+    geometry = ref.chunk_geometry([100], [0], [100])
     assert tri.lanes(t.view(torch.int32), geometry, (1, 2)) is None
     assert tri.lanes_many([t]) is None
 
@@ -301,7 +301,7 @@ def test_a_launch_that_fails_once_falls_back_for_that_call_only_and_says_so_once
     monkeypatch.setattr(tri, "lanes_of", flaky)
     monkeypatch.setattr(tri, "_failures", 0)
     flat = torch.arange(5000, dtype=torch.int32)
-    geometry = kern.chunk_geometry([5000], [0], [5000])
+    geometry = ref.chunk_geometry([5000], [0], [5000])
     with caplog.at_level(logging.DEBUG, logger=tri.__name__):
         got = [tri.lanes(flat, geometry, (1, 2)) for _ in range(4)]
     assert got == [None, (7, 8), None, (7, 8)]

@@ -21,6 +21,7 @@ from test_fingerprint import ALL_DTYPES, backend, chunkings, eager_fingerprint, 
 from ckptverify import fingerprint as fp
 from ckptverify.fingerprint import eager as ref
 from ckptverify.fingerprint import kernels as kern
+from ckptverify.fingerprint import spec
 
 
 @contextlib.contextmanager
@@ -75,7 +76,7 @@ def test_any_thread_split_gives_the_same_lanes(rows: int, cols: int, block: int,
     part = t[:, c:]
     flat = part.contiguous().reshape(-1).view(torch.int16)
     geometry = ref.chunk_geometry(part.shape, (0, c), t.shape)
-    seeds = (kern.dtype_seed("bfloat16", 0), kern.dtype_seed("bfloat16", 1))
+    seeds = (spec.dtype_seed("bfloat16", 0), spec.dtype_seed("bfloat16", 1))
     with host_geometry(block):
         one = kern.host_lanes(flat, geometry, seeds, threads=1)
         many = kern.host_lanes(flat, geometry, seeds, threads=threads)
@@ -166,8 +167,8 @@ def test_large_chunk_on_default_blocks_and_threads() -> None:
 
 
 @contextlib.contextmanager
-def fresh_compile_state(key: tuple[str, torch.dtype]) -> Iterator[None]:
-    """Forget whether the compiled kernel was checked for ``key`` (restored after)."""
+def fresh_compile_state(key: torch.dtype) -> Iterator[None]:
+    """Forget whether the compiled kernel was checked for bits dtype ``key`` (restored after)."""
     saved = (kern._verified.pop(key, None), key in kern._compiling, kern._host_bytes,
              kern.AUTO_COMPILE_AFTER_BYTES, kern._compiled_fn)
     kern._compiling.discard(key)
@@ -190,11 +191,11 @@ def test_auto_answers_while_compiling_and_never_uses_a_kernel_that_failed_its_ch
 ) -> None:
     """``auto`` answers from the host path while the compiled kernel is being checked (it does not wait for
     it), and a kernel that disagrees with the eager path is never used."""
-    key = ("cpu", torch.int32)
+    key = torch.int32
     calls = []
     release = threading.Event()
 
-    def failing_check(fn: object, dtype: torch.dtype, device: torch.device) -> bool:
+    def failing_check(fn: object, dtype: torch.dtype) -> bool:
         calls.append(dtype)
         release.wait(timeout=300)  # the compilation is still going on until the test says otherwise
         return False
@@ -226,7 +227,7 @@ def test_auto_compiles_in_the_background_then_uses_the_kernel() -> None:
     """Past ``AUTO_COMPILE_AFTER_BYTES``, ``auto`` answers from the host path while the kernel compiles in a
     background thread, then takes the kernel for full blocks (bfloat16 staged as int32) and the host path for
     the rest of each run: the same values throughout."""
-    key = ("cpu", torch.int32)
+    key = torch.int32
     t = make_tensor(torch.bfloat16, (4, kern.COMPILED_BLOCK + 333), 11)
     part = t[1:, 5:]
     want_whole = eager_fingerprint(t)
@@ -258,7 +259,7 @@ def test_auto_compiles_in_the_background_then_uses_the_kernel() -> None:
 def test_prepare_compiled_makes_auto_take_the_kernel_from_the_first_chunk() -> None:
     """After :func:`prepare_compiled`, ``auto`` takes the kernel at once, long before ``AUTO_COMPILE_AFTER_BYTES``
     went through the host path; without it, not."""
-    key = ("cpu", torch.int32)
+    key = torch.int32
     t = make_tensor(torch.float16, (2 * kern.COMPILED_BLOCK + 1,), 5)
     want = eager_fingerprint(t)
     with fresh_compile_state(key), backend("auto"):

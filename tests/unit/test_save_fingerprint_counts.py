@@ -235,7 +235,7 @@ def test_a_large_save_starts_compiling_the_kernel_at_once(tmp_path: Any, monkeyp
     through the host path; the fingerprints are the host path's meanwhile."""
     calls: list[tuple[torch.dtype, bool]] = []
 
-    def spy(bits_dtype: torch.dtype, device: torch.device, wait: bool = True) -> None:
+    def spy(bits_dtype: torch.dtype, wait: bool = True) -> None:
         calls.append((bits_dtype, wait))
         return None  # not ready: the host path goes on
 

@@ -223,7 +223,7 @@ def _no_delay() -> float | None:
 
 
 class ClockedWake:
-    """Stands in for a throttle's wake event: each wait moves ``clock`` on by its length (nothing wakes it)."""
+    """Stands in for a throttle's lift event: never set, each wait moves ``clock`` on by its length."""
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
@@ -234,6 +234,9 @@ class ClockedWake:
         self.clock.now += seconds
         return False
 
+    def is_set(self) -> bool:
+        return False
+
 
 def test_throttle_waits_while_no_core_is_idle_and_records_the_time() -> None:
     clock = Clock()
@@ -241,7 +244,7 @@ def test_throttle_waits_while_no_core_is_idle_and_records_the_time() -> None:
     throttle = Throttle(probe, min_free=0.5, window=0.05, first=0.01, longest=0.02,  # type: ignore[arg-type]
                         clock=clock, run_delay=_no_delay)
     wake = ClockedWake(clock)
-    throttle._wake = wake  # type: ignore[assignment]
+    throttle._lifted = wake  # type: ignore[assignment]
     throttle(1 << 20)
     assert probe.looks == 5
     assert wake.waits == [0.01, 0.02, 0.02]  # doubling up to the longest, one wait per busy look

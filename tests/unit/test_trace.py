@@ -416,13 +416,14 @@ def test_batched_device_lanes_equal_the_fingerprint_of_each_tensor() -> None:
     across blocks holding several tensors and tensors cut into several blocks, also under deterministic mode."""
     from ckptverify.fingerprint import TensorFingerprint, tensor_fingerprint
     from ckptverify.fingerprint import kernels as kern
+    from ckptverify.fingerprint.eager import EAGER_BLOCK
 
     g = torch.Generator().manual_seed(3)
     tensors = [torch.randn(3, 4, generator=g), torch.zeros(0), torch.randn((), generator=g),
                torch.randint(-5, 5, (7,), dtype=torch.int8, generator=g), torch.randn(5, generator=g).bfloat16(),
                torch.randn(2, 3, dtype=torch.complex64, generator=g), torch.randn(4, 5, generator=g).t(),
-               torch.randn(kern.EAGER_BLOCK * 2 + 17, generator=g), torch.tensor([True, False]),
-               torch.randn(kern.EAGER_BLOCK - 3, generator=g), torch.randn(9, dtype=torch.float64, generator=g)]
+               torch.randn(EAGER_BLOCK * 2 + 17, generator=g), torch.tensor([True, False]),
+               torch.randn(EAGER_BLOCK - 3, generator=g), torch.randn(9, dtype=torch.float64, generator=g)]
     tensors += [torch.randn(20_000, generator=g) for _ in range(6)]
     expected = [tensor_fingerprint(t).value for t in tensors]
     previous = torch.are_deterministic_algorithms_enabled()

@@ -234,20 +234,19 @@ def test_a_saved_checkpoint_whose_files_change_while_it_is_checked_gets_no_verdi
 def test_an_answer_to_another_request_is_not_taken_for_this_one(tmp_path: Path) -> None:
     folder = tmp_path / "step_1"
     cv.save(_state(1.0), folder)
+    args = {"path": str(folder), "step": 1, "deep": False, "jobs": 1, "settle": 0.05}
     child = VerifierProcess("normal")
     try:
-        first = child.verify(str(folder), step=1, deep=False, jobs=1, settle=0.05)
-        assert first.passed
+        assert Verification.from_dict(child.run(STAMP, args)).passed
         proc = child._proc
         # a stray request ahead of ours: its answer comes first and names another checkpoint
         stray = {"path": str(tmp_path / "elsewhere"), "step": 9, "deep": False, "jobs": 1, "settle": 0.05}
         proc.stdin.write(json.dumps({"job": STAMP, "args": stray}) + "\n")
         proc.stdin.flush()
-        out_of_step = child.verify(str(folder), step=1, deep=False, jobs=1, settle=0.05)
-        assert out_of_step.verdict == "unverified" and "answered another request" in out_of_step.reason
+        with pytest.raises(RuntimeError, match="answered another request"):
+            child.run(STAMP, args)
         assert proc.poll() is not None  # that process is done with; the next request starts a new one
-        again = child.verify(str(folder), step=1, deep=False, jobs=1, settle=0.05)
-        assert again.passed and child._proc is not proc
+        assert Verification.from_dict(child.run(STAMP, args)).passed and child._proc is not proc
     finally:
         child.close()
 
