@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptverify.errors import ManifestError, UsageError
-from ckptverify.fingerprint.digest import digest_maker
 from ckptverify.ownfiles.names import MANIFEST_FILE, MANIFEST_TEMP_PREFIX, write_atomic
 from ckptverify.safeparse import safejson
 from ckptverify.safeparse.paths import safe_relative_path
@@ -32,6 +31,8 @@ MAX_BLOCK_BYTES = 1 << 30
 def check_settings(digest: str, block_bytes: Any) -> None:
     """:class:`~ckptverify.errors.UsageError` unless a manifest written with ``digest`` and ``block_bytes`` is one
     verify accepts (checked before anything is written)."""
+    from ckptverify.fingerprint.digest import digest_maker  # here: a plain verify imports no fingerprint code
+
     digest_maker(digest)
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) \
             or not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
