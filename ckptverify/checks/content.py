@@ -37,7 +37,6 @@ WINDOW_GAP = 64 << 10
 class FileResult:
     """What checking one file found and covered."""
 
-    file: str
     findings: list[Finding] = field(default_factory=list)
     items: int = 0
     records: int = 0
@@ -102,7 +101,7 @@ def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: boo
     """Parse the archive structure of every item of one file. Returns the structurally intact items and a result of
     structural findings. Small items (:data:`SMALL_ITEM_BYTES`) are read whole and CRC-checked here
     (``ItemPlan.crcs``); larger ones only have headers read, their payloads left to the caller."""
-    result = FileResult(file=name)
+    result = FileResult()
     outcomes: dict[int, ItemPlan | Finding] = {}  # by position in offset order, so findings keep that order
     small: list[tuple[int, Item]] = []
     templates = templates if templates is not None else TemplateCache()

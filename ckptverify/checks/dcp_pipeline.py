@@ -404,7 +404,7 @@ class VerificationRun:
     def _transformed(self, item: Item) -> ItemPlan | None:
         from ckptverify.checks.transformed import plan_transformed
 
-        result = FileResult(file=item.file)
+        result = FileResult()
         plan = plan_transformed(self._opened[item.file], item, result,  # type: ignore[arg-type]
                                 registry=self._extension_registry)
         with self._lock:
@@ -591,7 +591,7 @@ class VerificationRun:
         from ckptverify.formats.describe import Description
 
         if self._layout is None:
-            return Description(root=self.root, target=self.root, format="dcp")
+            return Description(root=self.root, format="dcp")
         with paused_gc():  # one object per item and payload, no reference cycles (see gcpause)
             desc = self._describe(values, values_skip, side_files)
         if self._skip and self._executor is not None:  # other nodes' files, items and pieces, as their parts recorded

@@ -40,7 +40,6 @@ class TensorScan:
     """What reading one tensor's chunks back gave: parts of its fingerprint and value counts."""
 
     parts: list = field(default_factory=list)
-    chunks: set = field(default_factory=set)
     elements: int = 0
     nan: int = 0
     inf: int = 0
@@ -56,7 +55,7 @@ class TensorScan:
     def to_json(self) -> dict[str, Any]:
         """The scan as JSON values (read back by :meth:`from_json`): what another process computed of it."""
         return {"parts": [[f.value, f.dtype, list(f.shape), f.version, f.elements] for f in self.parts],
-                "chunks": [list(c) for c in self.chunks], "elements": self.elements, "nan": self.nan,
+                "elements": self.elements, "nan": self.nan,
                 "inf": self.inf, "uncounted": self.uncounted, "unreadable": list(self.unreadable),
                 "limited": list(self.limited), "whole": self.whole, "part_values": dict(self.part_values)}
 
@@ -65,9 +64,9 @@ class TensorScan:
         from ckptverify.fingerprint.logical import TensorFingerprint
 
         return cls(parts=[TensorFingerprint(v, dt, tuple(sh), ver, el) for v, dt, sh, ver, el in d["parts"]],
-                   chunks={tuple(c) for c in d["chunks"]}, elements=int(d["elements"]), nan=int(d["nan"]),
-                   inf=int(d["inf"]), uncounted=bool(d.get("uncounted")), unreadable=list(d["unreadable"]),
-                   limited=list(d["limited"]), whole=d["whole"], part_values=dict(d["part_values"]))
+                   elements=int(d["elements"]), nan=int(d["nan"]), inf=int(d["inf"]),
+                   uncounted=bool(d.get("uncounted")), unreadable=list(d["unreadable"]), limited=list(d["limited"]),
+                   whole=d["whole"], part_values=dict(d["part_values"]))
 
     def add(self, other: TensorScan) -> None:
         """Add ``other``'s value counts and reasons (not its fingerprint parts) to this scan's."""
@@ -104,7 +103,7 @@ def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
     row_major = is_row_major(p.shape, p.stride)
     why = None if row_major else view_limited(p, view_limit, budget)
     if why is not None:
-        return TensorScan(limited=[f"{name} chunk {list(p.chunk_offsets)} is {why}"], chunks={p.chunk_offsets})
+        return TensorScan(limited=[f"{name} chunk {list(p.chunk_offsets)} is {why}"])
     try:
         for offsets, block in iter_payload_blocks(f, p, row_major=row_major):
             scan.parts.append(chunk_fingerprint(block, offsets, shape))
@@ -122,7 +121,6 @@ def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
         raise  # the run stops and says so: what was read proves nothing about the file now
     except (FindingError, RuntimeError, TypeError, ValueError, OSError) as exc:
         scan.unreadable.append(f"{name} chunk {list(p.chunk_offsets)}: {exc}")
-    scan.chunks.add(p.chunk_offsets)
     return scan
 
 
@@ -196,7 +194,7 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
         except (OSError, ValueError, KeyError) as exc:  # FileChangedError is an OSError
             if stop_on_change and isinstance(exc, FileChangedError):
                 raise
-            return TensorScan(unreadable=[f"{t.name} chunk {list(p.chunk_offsets)}: {exc}"], chunks={p.chunk_offsets})
+            return TensorScan(unreadable=[f"{t.name} chunk {list(p.chunk_offsets)}: {exc}"])
 
     with paused_gc():  # thousands of scans and blocks, no reference cycles (see gcpause)
         scans, findings = _merge(desc, wanted, run_map(scan, wanted), only)
@@ -275,7 +273,6 @@ def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[in
 
     assert t.subclass is not None
     out = TensorScan()
-    out.chunks.add((0,) * len(t.shape))
     parts: list[tuple[str, TensorFingerprint]] = []
     for part in t.subclass.parts:
         p = part.payload
@@ -327,7 +324,6 @@ def _merge(desc: Description, wanted: list[tuple[TensorDesc, Payload]], results:
         m.add(first)
         m.parts.extend(first.parts)
         m.elements += first.elements
-        m.chunks |= first.chunks
     for t in desc.tensors.values():
         if t.unread and (only is None or t.name in only):
             merged[t.name].unreadable.extend(t.unread)

@@ -116,7 +116,7 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
             outside = "" if blamed else " (outside any tensor's bytes: its header, pickle or text)"
             findings.append(error("manifest-digest", f"{name} differs from when it was fingerprinted{outside}",
                                   location=where, expected=entry.digest, actual=got))
-    added = set(folder_files(desc.root)) - set(manifest.files) if paths.isdir(desc.target) else set()
+    added = set(folder_files(desc.root)) - set(manifest.files) if desc.format in ("folder", "dcp") else set()
     for name in sorted(added):
         findings.append(warning("manifest-unlisted", f"{name} was not there when the folder was fingerprinted: "
                                 "added since (nothing vouches for it)", location=Location(file=name)))

@@ -54,7 +54,7 @@ def plan_transformed(f: ReadOnlyFile, item: Item, result: FileResult, *,
         return None
     plan = ItemPlan(inner, archive, reader=decoded)
     crcs = [decoded.crc32(r.data_offset, r.data_end) for r in archive.records]
-    inner_result = FileResult(file=item.file)
+    inner_result = FileResult()
     judge_item(decoded, plan, crcs, inner_result)  # type: ignore[arg-type]
     result.records += inner_result.records
     result.bytes_hashed += item.length

@@ -102,8 +102,7 @@ def execute(unit: Unit, open_file: Callable[[str], Any], root: str, jobs: int | 
         except FileChangedError:
             raise
         except (OSError, ValueError, KeyError) as exc:
-            return TensorScan(unreadable=[f"{name} chunk {list(p.chunk_offsets)}: {exc}"],
-                              chunks={p.chunk_offsets}).to_json()
+            return TensorScan(unreadable=[f"{name} chunk {list(p.chunk_offsets)}: {exc}"]).to_json()
     raise ValueError(f"unknown work unit {kind!r}")
 
 

@@ -38,7 +38,7 @@ def describe_dcp(root: str, layout: Layout, read: Iterable[ReadItem], *, files: 
     """The description of the DCP checkpoint at ``root`` from ``layout``, the parsed items ``read`` and the opened
     ``files`` (``None``: could not be opened). ``values``: also plain values (not those in ``values_skip``)."""
     read = list(read)
-    desc = Description(root=root, target=root, format="dcp", metadata_files=list(layout.metadata_files))
+    desc = Description(root=root, format="dcp", metadata_files=list(layout.metadata_files))
     for name, f in sorted(files.items()):
         if f is not None:
             desc.files[name] = "dcp"

@@ -155,7 +155,6 @@ class Description:
     read (:meth:`open`; default read-only inside ``root``)."""
 
     root: str
-    target: str
     format: str
     files: dict[str, str] = field(default_factory=dict)
     tensors: dict[str, TensorDesc] = field(default_factory=dict)
@@ -199,9 +198,9 @@ def describe(path: str | os.PathLike[str], *,
     target = os.fspath(path)
     if not isinstance(read, Mapping) and (read is not None or not paths.isdir(target)):
         root, name = os.path.split(paths.abspath(target))
-        return _file(root, name, target, read)
+        return _file(root, name, read)
     files = read or {}
-    desc = Description(root=target, target=target, format="folder")
+    desc = Description(root=target, format="folder")
     for name in folder_files(target):  # directories (DCP parts) are described apart
         weights = name.endswith(".safetensors") or (name.startswith(_WEIGHT_PREFIXES) and name.endswith(".bin"))
         own = files[name]() if name in files else _file(target, name)
@@ -230,10 +229,9 @@ def add_side_files(desc: Description, names: list[str]) -> None:
         _add_named(desc, name, _file(desc.root, name), plain=False)
 
 
-def _file(root: str, name: str, target: str | None = None,
-          read: tuple[Archive, PickleScan] | safetensors.Blob | None = None) -> Description:
+def _file(root: str, name: str, read: tuple[Archive, PickleScan] | safetensors.Blob | None = None) -> Description:
     """File ``name`` of ``root`` in its own terms (tensors and values by their paths in it), from ``read`` if given."""
-    desc = Description(root=root, target=target or os.path.join(root, name), format="file")
+    desc = Description(root=root, format="file")
     if read is None:
         _add_file(desc, name)
     elif isinstance(read, tuple):
