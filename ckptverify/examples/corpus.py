@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from ckptverify.fingerprint.spec import LANES, mix
 
-__all__ = ["TokenDataset", "generate_tokens"]
+__all__ = ["TokenDataset"]
 
 # Stream tags keep the hash inputs of different uses apart.
 _TAG_SUCCESSORS = 1
@@ -81,17 +81,9 @@ class _Chain:
         return float(-(probs * np.log(probs)).sum())
 
 
-def generate_tokens(num_sequences: int, length: int, vocab_size: int = 256, seed: int = 0, *, branching: int = 8,
-                    smoothing: float = 0.1, start: int = 0) -> np.ndarray:
-    """Sequences ``start .. start + num_sequences - 1`` of the chain, as an int64 array ``(num_sequences, length)``."""
-    if num_sequences < 0 or length < 1:
-        raise ValueError("num_sequences must be >= 0 and length >= 1")
-    chain = _Chain(vocab_size, seed, branching, smoothing)
-    return _sample(chain, seed, num_sequences, length, start)
-
-
-def _sample(chain: _Chain, seed: int, num_sequences: int, length: int, start: int) -> np.ndarray:
-    seq_ids = np.arange(start, start + num_sequences, dtype=np.uint64)
+def _sample(chain: _Chain, seed: int, num_sequences: int, length: int) -> np.ndarray:
+    """The chain's first ``num_sequences`` sequences, as an int64 array ``(num_sequences, length)``."""
+    seq_ids = np.arange(num_sequences, dtype=np.uint64)
     out = np.empty((num_sequences, length), dtype=np.int64)
     low32 = np.uint64((1 << _PROB_BITS) - 1)
     v = np.uint64(chain.vocab_size)
@@ -121,11 +113,8 @@ class TokenDataset(Dataset):
         if num_sequences < 1 or seq_len < 1:
             raise ValueError("num_sequences and seq_len must be positive")
         self.num_sequences = num_sequences
-        self.seq_len = seq_len
-        self.vocab_size = vocab_size
-        self.seed = seed
         self._chain = _Chain(vocab_size, seed, branching, smoothing)
-        self.tokens = torch.from_numpy(_sample(self._chain, seed, num_sequences, seq_len + 1, 0))
+        self.tokens = torch.from_numpy(_sample(self._chain, seed, num_sequences, seq_len + 1))
 
     def __len__(self) -> int:
         return self.num_sequences
@@ -146,4 +135,4 @@ class TokenDataset(Dataset):
     @property
     def uniform_loss(self) -> float:
         """Cross-entropy of a uniform guess, ``log(vocab_size)``: roughly where an untrained model starts."""
-        return math.log(self.vocab_size)
+        return math.log(self._chain.vocab_size)
