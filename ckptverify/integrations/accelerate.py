@@ -87,8 +87,15 @@ def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None
     group = _group(accelerator)
     if input_dir is not None:
         verdict = verifier.before_resume(os.fspath(input_dir), group=group)
+    elif not accelerator.project_configuration.automatic_checkpoint_naming:
+        raise UsageError("load_state needs input_dir unless the Accelerator's ProjectConfiguration has "
+                         "automatic_checkpoint_naming=True")
     else:
-        verdict = _newest_verified(accelerator, verifier, group)
+        folder = os.path.join(accelerator.project_dir, "checkpoints")
+        found = verifier.newest_numbered(folder, _LAST_NUMBER.search, group=group)
+        if found is None:
+            raise CheckpointRefusedError(f"no checkpoint to load under {folder}")
+        verdict = found
     accelerator.load_state(verdict.path, load_kwargs=load_kwargs, **load_model_func_kwargs)
     return verdict
 
@@ -105,17 +112,6 @@ def _background_verifier(accelerator: Any, settings: dict[str, Any]) -> Verifier
         return fresh
     vars(verifier).update((k, v) for k, v in vars(fresh).items() if not k.startswith("_"))  # its queue stays
     return verifier
-
-
-def _newest_verified(accelerator: Any, verifier: Verifier, group: Group) -> Verification:
-    if not accelerator.project_configuration.automatic_checkpoint_naming:
-        raise UsageError("load_state needs input_dir unless the Accelerator's ProjectConfiguration has "
-                         "automatic_checkpoint_naming=True")
-    folder = os.path.join(accelerator.project_dir, "checkpoints")
-    verdict = verifier.newest_numbered(folder, _LAST_NUMBER.search, group=group)
-    if verdict is None:
-        raise CheckpointRefusedError(f"no checkpoint to load under {folder}")
-    return verdict
 
 
 def _events_dir(accelerator: Any, events_dir: str | os.PathLike[str] | None) -> str | os.PathLike[str] | None:
