@@ -756,7 +756,3 @@ def _write_metrics(metrics_file: str | None, report: Any, json_out: bool) -> Non
         write_metrics(metrics_file, report)
     except OSError as exc:
         fail(report.command, report.target, UsageError(f"cannot write --metrics-file {metrics_file}: {exc}"), json_out)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
