@@ -487,9 +487,8 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
                             report_dir=report_dir)
 
     outcome = _launch("resume-check", target, keep, json_out, run)
-    verdict = outcome.verdict
-    _emit(outcome.report, json_out, metrics_file=metrics_file,
-          render=lambda report, console: render_verdict(report, console, verdict.headline(), verdict.passed))
+    _emit(outcome.report, json_out, metrics_file=metrics_file, render=lambda report, console: render_verdict(
+        report, console, outcome.verdict.headline(), outcome.verdict.passed))
 
 
 @main.command()
