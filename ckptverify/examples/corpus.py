@@ -28,19 +28,15 @@ _TAG_START = 2
 _TAG_BRANCH = 3
 _TAG_UNIFORM = 4
 _PROB_BITS = 32  # probabilities are compared as 32-bit integers: exact, no float rounding involved
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finalizer (the fingerprint's second lane mixer) over a uint64 array (wrapping arithmetic)."""
-    return mix(x.astype(np.uint64), LANES[1])
+_SPLITMIX64 = LANES[1]  # SplitMix64's finalizer, the fingerprint's second lane mixer (wrapping uint64 arithmetic)
 
 
 def _hash(seed: int, tag: int, a: np.ndarray, b: np.ndarray | int = 0) -> np.ndarray:
     """A 64-bit hash of ``(seed, tag, a, b)``, elementwise over the broadcast of ``a`` and ``b``."""
     with np.errstate(over="ignore"):
-        h = _mix64(np.asarray([(seed * 0x9E3779B97F4A7C15 + tag) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
-        h = _mix64(h ^ np.asarray(a, dtype=np.uint64))
-        h = _mix64(h ^ (np.asarray(b, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)))
+        h = mix(np.asarray([(seed * 0x9E3779B97F4A7C15 + tag) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64), _SPLITMIX64)
+        h = mix(h ^ np.asarray(a, dtype=np.uint64), _SPLITMIX64)
+        h = mix(h ^ (np.asarray(b, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)), _SPLITMIX64)
     return h
 
 
