@@ -308,7 +308,8 @@ def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | Non
     def call(bar: Any, jobs: int | None, executor: Executor | None) -> Any:
         return scan_run_dir(run_dir, jobs=jobs, progress=_say(progress, json_out), deep=deep, executor=executor)
 
-    _read_shared("scan", run_dir, call, cluster, jobs, progress, json_out, metrics_file, bar=False,
+    # Progress is the stages' lines (above), not a byte bar.
+    _read_shared("scan", run_dir, call, cluster, jobs, _Progress(False, False), json_out, metrics_file,
                  render=render_scan)
 
 
@@ -339,24 +340,24 @@ def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps:
     from ckptverify.runs.latest import latest_verified
 
     path_only = path_only or null
+    json_out = json_out and not path_only  # with --path-only, stdout holds the path alone
     try:
         found = latest_verified(run_dir, jobs=jobs, use_stamps=not no_stamps, trust_stamps=trust_stamps,
                                 progress=_say(progress, json_out or path_only))
     except CkptVerifyError as exc:
-        fail("latest", run_dir, exc, json_out and not path_only)
-    report = found.report
-    _write_metrics(metrics_file, report, json_out and not path_only)
-    if path_only:
-        if found.path is not None:
-            raw = os.fsencode(found.path)  # the name's own bytes, whatever their encoding
-            if not null and b"\n" in raw:
-                fail("latest", run_dir, f"the path {found.path} holds a newline, which one line cannot carry; use "
-                     "--null", False)
-            sys.stdout.flush()
-            sys.stdout.buffer.write(raw + (b"\0" if null else b"\n"))
-            sys.stdout.buffer.flush()
-        sys.exit(report.exit_code)
-    _emit(report, json_out)
+        fail("latest", run_dir, exc, json_out)
+    if not path_only:
+        _emit(found.report, json_out, metrics_file=metrics_file)
+    _write_metrics(metrics_file, found.report, False)
+    if found.path is not None:
+        raw = os.fsencode(found.path)  # the name's own bytes, whatever their encoding
+        if not null and b"\n" in raw:
+            fail("latest", run_dir, f"the path {found.path} holds a newline, which one line cannot carry; use --null",
+                 False)
+        sys.stdout.flush()
+        sys.stdout.buffer.write(raw + (b"\0" if null else b"\n"))
+        sys.stdout.buffer.flush()
+    sys.exit(found.report.exit_code)
 
 
 @main.command()
@@ -384,18 +385,12 @@ def watch(run_dir: str, once: bool, interval: float, exit_on_failure: bool, log_
     """
     from ckptverify.verifier.watch import watch as run_watch
 
-    def line(obj: dict) -> None:
-        click.echo(json.dumps(obj, default=str))
-
     def show(item: dict) -> None:
-        if json_out:
-            line(item)
-        else:
-            click.echo(_watch_line(item))
+        click.echo(json.dumps(item, default=str) if json_out else _watch_line(item))
 
     def problem(message: str) -> None:
         if json_out:
-            line({"event": "problem", "reason": message})
+            show({"event": "problem", "reason": message})
         else:
             click.echo(f"ckptverify watch: error: {printable(message)}", err=True)
 
@@ -406,12 +401,12 @@ def watch(run_dir: str, once: bool, interval: float, exit_on_failure: bool, log_
     except CkptVerifyError as exc:
         if not json_out:
             fail("watch", run_dir, exc, False)
-        line({"event": "error", "path": None, "reason": str(exc), "exit_code": exc.exit_code})
+        show({"event": "error", "path": None, "reason": str(exc), "exit_code": exc.exit_code})
         sys.exit(exc.exit_code)
     if result.nothing is not None and not result.failed:
         message = f"nothing to verify under {run_dir}: {result.nothing}"
         if json_out:
-            line({"event": "nothing", "path": None, "reason": message, "exit_code": result.exit_code})
+            show({"event": "nothing", "path": None, "reason": message, "exit_code": result.exit_code})
         else:
             label = "error: " if result.exit_code == 2 else ""  # nothing there to watch: a usage error
             click.echo(f"ckptverify watch: {label}{printable(message)}", err=True)
@@ -424,12 +419,11 @@ def _watch_line(item: dict) -> str:
     if item.get("step") is not None:
         where += f" (step {item['step']})"
     if event in ("verified", "failed"):
+        text = f"{event.upper() if event == 'failed' else event}: {where}: "
         if item.get("checked_at"):
-            text = f"{event.upper() if event == 'failed' else event}: {where}: its stamp of {item['checked_at']} " \
-                   "says it failed verification"
+            text += f"its stamp of {item['checked_at']} says it failed verification"
         else:
-            text = f"{event.upper() if event == 'failed' else event}: {where}: {item.get('state')}, " \
-                   f"{item.get('errors', 0)} error(s), {item.get('warnings', 0)} warning(s)"
+            text += f"{item.get('state')}, {item.get('errors', 0)} error(s), {item.get('warnings', 0)} warning(s)"
             if item.get("first_error"):
                 first = item["first_error"]
                 text += f"; first: [{printable(first['check'])}] {printable(first['message'])}"
@@ -493,9 +487,8 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
                             report_dir=report_dir)
 
     outcome = _launch("resume-check", target, keep, json_out, run)
-    verdict = outcome.verdict
-    _emit(outcome.report, json_out, metrics_file=metrics_file,
-          render=lambda report, console: render_verdict(report, console, verdict.headline(), verdict.passed))
+    _emit(outcome.report, json_out, metrics_file=metrics_file, render=lambda report, console: render_verdict(
+        report, console, outcome.verdict.headline(), outcome.verdict.passed))
 
 
 @main.command()
@@ -658,15 +651,14 @@ def _with_progress(call: Any, progress: _Progress, json_out: bool, command: str,
 
 
 def _read_shared(command: str, target: str, call: Any, cluster: _Cluster, jobs: int | None, progress: _Progress,
-                 json_out: bool, metrics_file: str | None, *, bar: bool = True, render: Any = None) -> None:
+                 json_out: bool, metrics_file: str | None, *, render: Any = None) -> None:
     """Run ``call(bar, jobs, executor)`` in this process, or as rank 0 of the ranks that share its reading
     (:mod:`ckptverify.cluster`; every other rank serves its share here and exits), and print the one report:
-    with ranks, followed by the bytes each read. ``bar``: the command shows progress as a byte bar."""
+    with ranks, followed by the bytes each read. ``progress``: of the byte bar."""
     from ckptverify.render.report import render_text
 
     render = render or render_text
     session = _session(command, target, cluster, jobs, json_out)
-    progress = progress if bar else _Progress(False, False)
     if session is None:
         _emit(_with_progress(lambda b: call(b, jobs, None), progress, json_out, command, target), json_out,
               render=render, metrics_file=metrics_file)
@@ -763,7 +755,3 @@ def _write_metrics(metrics_file: str | None, report: Any, json_out: bool) -> Non
         write_metrics(metrics_file, report)
     except OSError as exc:
         fail(report.command, report.target, UsageError(f"cannot write --metrics-file {metrics_file}: {exc}"), json_out)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

@@ -1,6 +1,6 @@
 """Built-in example workloads: a synthetic token corpus and a tiny GPT trained on it."""
 
-from ckptverify.examples.corpus import TokenDataset, generate_tokens
+from ckptverify.examples.corpus import TokenDataset
 from ckptverify.examples.tinygpt import (
     TinyGPT,
     TinyGPTConfig,
@@ -12,5 +12,5 @@ from ckptverify.examples.tinygpt import (
     wrap_fsdp2,
 )
 
-__all__ = ["TinyGPT", "TinyGPTConfig", "TokenDataset", "Training", "WarmupCosine", "build_training", "generate_tokens",
-           "make_loader", "train_step", "wrap_fsdp2"]
+__all__ = ["TinyGPT", "TinyGPTConfig", "TokenDataset", "Training", "WarmupCosine", "build_training", "make_loader",
+           "train_step", "wrap_fsdp2"]

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from ckptverify.fingerprint.spec import LANES, mix
 
-__all__ = ["TokenDataset", "generate_tokens"]
+__all__ = ["TokenDataset"]
 
 # Stream tags keep the hash inputs of different uses apart.
 _TAG_SUCCESSORS = 1
@@ -28,80 +28,51 @@ _TAG_START = 2
 _TAG_BRANCH = 3
 _TAG_UNIFORM = 4
 _PROB_BITS = 32  # probabilities are compared as 32-bit integers: exact, no float rounding involved
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finalizer (the fingerprint's second lane mixer) over a uint64 array (wrapping arithmetic)."""
-    return mix(x.astype(np.uint64), LANES[1])
+_SPLITMIX64 = LANES[1]  # SplitMix64's finalizer, the fingerprint's second lane mixer (wrapping uint64 arithmetic)
 
 
 def _hash(seed: int, tag: int, a: np.ndarray, b: np.ndarray | int = 0) -> np.ndarray:
     """A 64-bit hash of ``(seed, tag, a, b)``, elementwise over the broadcast of ``a`` and ``b``."""
     with np.errstate(over="ignore"):
-        h = _mix64(np.asarray([(seed * 0x9E3779B97F4A7C15 + tag) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
-        h = _mix64(h ^ np.asarray(a, dtype=np.uint64))
-        h = _mix64(h ^ (np.asarray(b, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)))
+        h = mix(np.asarray([(seed * 0x9E3779B97F4A7C15 + tag) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64), _SPLITMIX64)
+        h = mix(h ^ np.asarray(a, dtype=np.uint64), _SPLITMIX64)
+        h = mix(h ^ (np.asarray(b, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)), _SPLITMIX64)
     return h
 
 
-class _Chain:
-    """The transition structure for one seed: successor table and integer sampling thresholds."""
+def _sample(vocab_size: int, seed: int, branching: int, smoothing: float, num_sequences: int,
+            length: int) -> np.ndarray:
+    """The chain's first ``num_sequences`` sequences, as an int64 array ``(num_sequences, length)``."""
+    if vocab_size < 2:
+        raise ValueError("vocab_size must be at least 2")
+    if not 1 <= branching <= vocab_size:
+        raise ValueError("branching must be between 1 and vocab_size")
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError("smoothing must be in [0, 1)")
+    rows = np.arange(vocab_size, dtype=np.uint64)[:, None]
+    cols = np.arange(vocab_size, dtype=np.uint64)[None, :]
+    # Each row's successors: the tokens with the smallest hashes (distinct by construction).
+    keys = _hash(seed, _TAG_SUCCESSORS, rows, cols)
+    successors = np.argsort(keys, axis=1, kind="stable")[:, :branching].astype(np.int64)
+    scale = 1 << _PROB_BITS
+    uniform_threshold = np.uint64(round(smoothing * scale))
+    zipf = [1.0 / (k + 1) for k in range(branching)]
+    cdf = np.cumsum([w / sum(zipf) for w in zipf])
+    # Thresholds over [0, 2**32) for picking successor k; the last one covers the whole range.
+    branch_cdf = np.minimum(np.round(cdf * scale), scale).astype(np.uint64)
+    branch_cdf[-1] = np.uint64(scale)
 
-    def __init__(self, vocab_size: int, seed: int, branching: int, smoothing: float) -> None:
-        if vocab_size < 2:
-            raise ValueError("vocab_size must be at least 2")
-        if not 1 <= branching <= vocab_size:
-            raise ValueError("branching must be between 1 and vocab_size")
-        if not 0.0 <= smoothing < 1.0:
-            raise ValueError("smoothing must be in [0, 1)")
-        self.vocab_size = vocab_size
-        rows = np.arange(vocab_size, dtype=np.uint64)[:, None]
-        cols = np.arange(vocab_size, dtype=np.uint64)[None, :]
-        # Each row's successors: the tokens with the smallest hashes (distinct by construction).
-        keys = _hash(seed, _TAG_SUCCESSORS, rows, cols)
-        self.successors = np.argsort(keys, axis=1, kind="stable")[:, :branching].astype(np.int64)
-        scale = 1 << _PROB_BITS
-        self.uniform_threshold = np.uint64(round(smoothing * scale))
-        zipf = [1.0 / (k + 1) for k in range(branching)]
-        self.weights = [w / sum(zipf) for w in zipf]
-        cdf = np.cumsum(self.weights)
-        # Thresholds over [0, 2**32) for picking successor k; the last one covers the whole range.
-        self.branch_cdf = np.minimum(np.round(cdf * scale), scale).astype(np.uint64)
-        self.branch_cdf[-1] = np.uint64(scale)
-        self.smoothing = smoothing
-
-    def entropy_rate(self) -> float:
-        """The chain's conditional entropy per token in nats (the best achievable mean cross-entropy)."""
-        v, s = self.vocab_size, self.smoothing
-        probs = np.full(v, s / v)
-        # Every row has the same multiset of probabilities, so one row's entropy is the rate.
-        for k, w in enumerate(self.weights):
-            probs[k] += (1.0 - s) * w
-        probs = probs[probs > 0]
-        return float(-(probs * np.log(probs)).sum())
-
-
-def generate_tokens(num_sequences: int, length: int, vocab_size: int = 256, seed: int = 0, *, branching: int = 8,
-                    smoothing: float = 0.1, start: int = 0) -> np.ndarray:
-    """Sequences ``start .. start + num_sequences - 1`` of the chain, as an int64 array ``(num_sequences, length)``."""
-    if num_sequences < 0 or length < 1:
-        raise ValueError("num_sequences must be >= 0 and length >= 1")
-    chain = _Chain(vocab_size, seed, branching, smoothing)
-    return _sample(chain, seed, num_sequences, length, start)
-
-
-def _sample(chain: _Chain, seed: int, num_sequences: int, length: int, start: int) -> np.ndarray:
-    seq_ids = np.arange(start, start + num_sequences, dtype=np.uint64)
+    seq_ids = np.arange(num_sequences, dtype=np.uint64)
     out = np.empty((num_sequences, length), dtype=np.int64)
     low32 = np.uint64((1 << _PROB_BITS) - 1)
-    v = np.uint64(chain.vocab_size)
+    v = np.uint64(vocab_size)
     out[:, 0] = (_hash(seed, _TAG_START, seq_ids) % v).astype(np.int64)
     for t in range(1, length):
         h = _hash(seed, _TAG_BRANCH, seq_ids, t)
         u_mix, u_pick = h >> np.uint64(_PROB_BITS), h & low32
-        branch = np.searchsorted(chain.branch_cdf, u_pick, side="right")
-        nxt = chain.successors[out[:, t - 1], branch]
-        uniform = u_mix < chain.uniform_threshold
+        branch = np.searchsorted(branch_cdf, u_pick, side="right")
+        nxt = successors[out[:, t - 1], branch]
+        uniform = u_mix < uniform_threshold
         if uniform.any():
             u = _hash(seed, _TAG_UNIFORM, seq_ids[uniform], t) % v
             nxt[uniform] = u.astype(np.int64)
@@ -121,11 +92,8 @@ class TokenDataset(Dataset):
         if num_sequences < 1 or seq_len < 1:
             raise ValueError("num_sequences and seq_len must be positive")
         self.num_sequences = num_sequences
-        self.seq_len = seq_len
         self.vocab_size = vocab_size
-        self.seed = seed
-        self._chain = _Chain(vocab_size, seed, branching, smoothing)
-        self.tokens = torch.from_numpy(_sample(self._chain, seed, num_sequences, seq_len + 1, 0))
+        self.tokens = torch.from_numpy(_sample(vocab_size, seed, branching, smoothing, num_sequences, seq_len + 1))
 
     def __len__(self) -> int:
         return self.num_sequences
@@ -137,11 +105,6 @@ class TokenDataset(Dataset):
             raise IndexError(index)
         row = self.tokens[index]
         return row[:-1].clone(), row[1:].clone()
-
-    @property
-    def entropy_rate(self) -> float:
-        """Best achievable mean cross-entropy in nats per token (the chain's entropy rate)."""
-        return self._chain.entropy_rate()
 
     @property
     def uniform_loss(self) -> float:

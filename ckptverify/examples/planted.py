@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ckptverify.examples.tinygpt import Block, TinyGPTConfig, Training, lm_loss, train_step
-from ckptverify.examples.workloads import BATCH, _loop, _manual_lr, _setup, _state
+from ckptverify.examples.workloads import BATCH, _loop, _manual_lr, _restored, _setup, _state
 from ckptverify.resume.run import Run
 from ckptverify.state.train_state import TrainState
 from ckptverify.trace.sites import local_view
@@ -80,8 +80,7 @@ def evaluate(training: Training, batches: int = 2) -> float:
 
 def reseed_after_restore(run: Run) -> None:
     training, _ = _setup(run)
-    state = _state(training)
-    run.restore(state)
+    run.restore(_state(training))
     torch.manual_seed(1234 + run.rank)  # BUG: throws the restored stream away; the next batch changes too
     for _ in run.steps():
         batch = get_batch(training)
@@ -91,8 +90,7 @@ def reseed_after_restore(run: Run) -> None:
 
 def eval_after_save(run: Run) -> None:
     training, _ = _setup(run)
-    state = _state(training)
-    run.restore(state)
+    run.restore(_state(training))
     for _ in run.steps():
         batch = get_batch(training)
         out = train_step(training, batch)
@@ -120,9 +118,7 @@ def counter_reset_lr(run: Run) -> None:
 
 
 def hparam_reapplied(run: Run) -> None:
-    training, loader = _setup(run)
-    state = _state(training, loader)
-    run.restore(state)
+    training, loader = _restored(run)
     configured_wd = 0.1
     for group in training.optimizer.param_groups[:1]:
         group["weight_decay"] = configured_wd  # BUG: re-applied from the config over the restored value
@@ -154,8 +150,7 @@ class EMA(nn.Module):
 def ema_unregistered(run: Run) -> None:
     training, loader = _setup(run)
     ema = EMA(training.model)  # BUG: not in the TrainState; nothing traced reads it
-    state = _state(training, loader)
-    run.restore(state)
+    run.restore(_state(training, loader))
     for batch in run.steps(loader):
         out = train_step(training, batch)
         ema.update(training.model)
@@ -165,8 +160,7 @@ def ema_unregistered(run: Run) -> None:
 def scaler_unregistered(run: Run) -> None:
     training, loader = _setup(run)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)  # BUG: not in the TrainState
-    state = _state(training, loader)
-    run.restore(state)
+    run.restore(_state(training, loader))
     model, optimizer = training.model, training.optimizer
     for batch in run.steps(loader):
         loss = lm_loss(model, *batch)
@@ -215,17 +209,10 @@ class CountingBlock(Block):
         return super().forward(x)
 
 
-def _with_blocks(run: Run, block_cls: type[Block]) -> None:
-    training, loader = _setup(run, block_cls)
-    state = _state(training, loader)
-    run.restore(state)
-    _loop(run, training, loader)
-
-
 def nonpersistent_buffer(run: Run) -> None:
-    _with_blocks(run, RunningRMSBlock)
+    _loop(run, *_restored(run, RunningRMSBlock))
 
 
 def parent_forward(run: Run) -> None:
-    _with_blocks(run, CountingBlock)
+    _loop(run, *_restored(run, CountingBlock))
 

@@ -187,7 +187,6 @@ class Training:
     #: ``None`` when the loop sets the learning rate itself.
     scheduler: torch.optim.lr_scheduler.LambdaLR | None
     dataset: TokenDataset
-    config: TinyGPTConfig
     device: torch.device
     grad_clip: float = 1.0
 
@@ -231,7 +230,7 @@ def build_training(config: TinyGPTConfig, *, lr: float = 3e-3, warmup_steps: int
         betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps))
     dataset = TokenDataset(num_sequences, config.seq_len, config.vocab_size, seed)
-    return Training(model, optimizer, scheduler, dataset, config, device, grad_clip)
+    return Training(model, optimizer, scheduler, dataset, device, grad_clip)
 
 
 def make_loader(dataset: TokenDataset, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,

@@ -72,6 +72,13 @@ def _state(training: Training, loader: Any = None) -> TrainState:
                       dataloader=loader)
 
 
+def _restored(run: Run, block_cls: type[Block] | None = None) -> tuple[Training, Any]:
+    """:func:`_setup`, with the full state (:func:`_state`) registered and restored."""
+    training, loader = _setup(run, block_cls)
+    run.restore(_state(training, loader))
+    return training, loader
+
+
 def _manual_lr(training: Training) -> None:
     """Drop the built-in schedule: the loop sets lr itself."""
     training.optimizer = torch.optim.AdamW(training.model.parameters(), lr=3e-3, betas=(0.9, 0.95))
@@ -86,16 +93,11 @@ def _loop(run: Run, training: Training, loader: Any, step: Any = train_step) -> 
 
 def correct(run: Run) -> None:
     """The built-in workload, with its full state registered: resumes bitwise."""
-    training, loader = _setup(run)
-    state = _state(training, loader)
-    run.restore(state)
-    _loop(run, training, loader)
+    _loop(run, *_restored(run))
 
 
 def rng_not_restored(run: Run) -> None:
-    training, loader = _setup(run)
-    state = _state(training, loader)
-    run.restore(state)
+    training, loader = _restored(run)
     torch.manual_seed(1234 + run.rank)  # BUG: re-seeding after the restore throws the restored streams away
     _loop(run, training, loader)
 
@@ -134,9 +136,7 @@ def hidden_counter(run: Run) -> None:
 
 
 def nondeterministic(run: Run) -> None:
-    training, loader = _setup(run)
-    state = _state(training, loader)
-    run.restore(state)
+    training, loader = _restored(run)
     order = torch.Generator().manual_seed(os.getpid())  # BUG: the accumulation order depends on the process
 
     def step(training: Training, batch: Any) -> dict[str, Any]:

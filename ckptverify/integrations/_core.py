@@ -21,6 +21,7 @@ import contextlib
 import functools
 import os
 import re
+import sys
 import threading
 import time
 import warnings
@@ -148,7 +149,8 @@ class Verifier:
                 with self._lock:
                     left = [p for p in self._pending if p in queued]
                 if left:
-                    self._cut_short(left, f"not verified within the {limit} s waited")
+                    self._cut_short([(p, None, self._events_folder(p)) for p in left],
+                                    f"not verified within the {limit} s waited")
             with self._lock:
                 arrived, self._arrived_verdicts = self._arrived_verdicts, []
             mine = [self._take_unraised(), *arrived]
@@ -211,9 +213,12 @@ class Verifier:
         root = os.fspath(path)
         mine = None
         if group.coordinator:
-            _await_background(root)
+            background = sys.modules.get("ckptverify.verifier.background")
+            if background is not None:  # else nothing was ever queued in this process: nothing to wait for
+                background.wait_for_checkpoint(root, background.exit_timeout())
             verdict = self._verify_only(root)
-            self._emit(root, "resume-verified" if verdict.passed else "resume-refused", verdict, group.rank)
+            self._emit(self._events_folder(root), "resume-verified" if verdict.passed else "resume-refused", verdict,
+                       group.rank)
             mine = [verdict]
         verdict = _agree(mine, group)[0]
         assert verdict is not None
@@ -224,7 +229,7 @@ class Verifier:
     # -- coordinator side
     def _check_saved(self, root: str, step: int | None, fingerprint: Fingerprint) -> Verification:
         verdict, extra = check_saved(root, step, fingerprint, jobs=self.jobs, deep=self.deep)
-        self._emit(root, event_of(verdict), verdict, 0, **extra)
+        self._emit(self._events_folder(root), event_of(verdict), verdict, 0, **extra)
         return verdict
 
     def _node_hosts(self, root: str, group: Group) -> list[str] | None:
@@ -253,7 +258,7 @@ class Verifier:
                     args={"root": where, "step": step, "fingerprint": fingerprint, "jobs": self.jobs or 1,
                           "deep": self.deep, "settle": verifier.settle, **({"parts": True} if parts else {})},
                     done=functools.partial(self._arrived, root, where, step, folder),
-                    cut_short=functools.partial(self._cut_short_one, root, step, folder))
+                    cut_short=lambda why: self._cut_short([(root, step, folder)], why))
         with self._lock:
             self._pending.append(where)
         try:
@@ -285,7 +290,7 @@ class Verifier:
                 from ckptverify.runs.stamp import stamp_path
 
                 verdict = replace(verdict, stamp=stamp_path(root))
-        self._emit_in(folder, event, verdict, 0, **extra)
+        self._emit(folder, event, verdict, 0, **extra)
         failed = event == "checkpoint-failed"
         with self._lock:
             with contextlib.suppress(ValueError):
@@ -296,17 +301,14 @@ class Verifier:
         if failed:
             warnings.warn(verdict.message, VerifyFailedWarning, stacklevel=2)
 
-    def _cut_short_one(self, root: str, step: int | None, folder: str, why: str) -> None:
-        """The process's background verifier gave up waiting for ``root`` (at interpreter exit)."""
-        self._emit_in(folder, "checkpoint-cut-short", _cut(root, step, why), 0)
-        warnings.warn(f"{root}: {why}; it carries no stamp and is verified when a resume picks it",
-                      CkptVerifyWarning, stacklevel=2)
-
-    def _cut_short(self, left: list[str], why: str) -> None:
-        for where in left:
-            self._emit_in(self._events_folder(where), "checkpoint-cut-short", _cut(where, None, why), 0)
-        warnings.warn(f"{len(left)} checkpoint verification(s) cut short, {why}: {', '.join(left)}; they carry no "
-                      "stamp and are verified when a resume picks them", CkptVerifyWarning, stacklevel=3)
+    def _cut_short(self, cut: list[tuple[str, int | None, str]], why: str) -> None:
+        """Background verifications given up on (by :meth:`wait`, or by the process's verifier at interpreter exit):
+        a ``checkpoint-cut-short`` event for each ``(path, step, events folder)``, and one warning."""
+        for path, step, folder in cut:
+            self._emit(folder, "checkpoint-cut-short",
+                       unverified(path, step, "cut-short", why, message=f"{path} was not verified: {why}"), 0)
+        warnings.warn(f"{len(cut)} checkpoint verification(s) cut short, {why}: {', '.join(p for p, _, _ in cut)}; "
+                      "they carry no stamp and are verified when a resume picks them", CkptVerifyWarning, stacklevel=3)
 
     def _take_unraised(self) -> Verification | None:
         with self._lock:
@@ -329,11 +331,8 @@ class Verifier:
     def _events_folder(self, root: str) -> str:
         return self.events_dir or os.path.dirname(os.path.abspath(root))
 
-    def _emit(self, root: str, event: str, verdict: Verification, rank: int, **extra: Any) -> None:
-        self._emit_in(self._events_folder(root), event, verdict, rank, **extra)
-
     @staticmethod
-    def _emit_in(folder: str, event: str, verdict: Verification, rank: int, **extra: Any) -> None:
+    def _emit(folder: str, event: str, verdict: Verification, rank: int, **extra: Any) -> None:
         from ckptverify.ownfiles.events import EventLog
 
         try:
@@ -377,17 +376,3 @@ def numbered_folders(root: str, number: Callable[[str], re.Match[str] | None],
         return []
     found = [(int(m.group(1)), n) for n in names if (m := number(n)) and keep(os.path.join(root, n))]
     return sorted(found, reverse=True)
-
-
-def _cut(path: str, step: int | None, why: str) -> Verification:
-    return unverified(path, step, "cut-short", why, message=f"{path} was not verified: {why}")
-
-
-def _await_background(root: str) -> None:
-    """Wait (bounded by ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``) for a pending background check of ``root`` in this process.
-    """
-    import sys
-
-    background = sys.modules.get("ckptverify.verifier.background")
-    if background is not None:  # else nothing was ever queued in this process
-        background.wait_for_checkpoint(root, background.exit_timeout())

@@ -47,11 +47,10 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = Non
     :class:`~ckptverify.errors.CheckpointRefusedError` on every process for a failure (with ``background``, one found
     since the last call) when ``on_failure="raise"``.
     """
-    options = integration_verify("save_state", verify)
-    settings = {"verify": options, "fingerprint": fingerprint, "jobs": jobs,
-                "events_dir": _events_dir(accelerator, events_dir)}
-    background = options.when == "background"
-    verifier = _background_verifier(accelerator, settings) if background else Verifier(**settings)
+    verifier = Verifier(verify=integration_verify("save_state", verify), fingerprint=fingerprint, jobs=jobs,
+                        events_dir=_events_dir(accelerator, events_dir))
+    if verifier.background:
+        verifier = _background_verifier(accelerator, verifier)
     warn_if_accumulating(list(getattr(accelerator, "_models", []) or []) or None,
                          "accelerator.save_state" if output_dir is None else output_dir)
     location = accelerator.save_state(None if output_dir is None else os.fspath(output_dir), **save_kwargs)
@@ -87,8 +86,15 @@ def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None
     group = _group(accelerator)
     if input_dir is not None:
         verdict = verifier.before_resume(os.fspath(input_dir), group=group)
+    elif not accelerator.project_configuration.automatic_checkpoint_naming:
+        raise UsageError("load_state needs input_dir unless the Accelerator's ProjectConfiguration has "
+                         "automatic_checkpoint_naming=True")
     else:
-        verdict = _newest_verified(accelerator, verifier, group)
+        folder = os.path.join(accelerator.project_dir, "checkpoints")
+        found = verifier.newest_numbered(folder, _LAST_NUMBER.search, group=group)
+        if found is None:
+            raise CheckpointRefusedError(f"no checkpoint to load under {folder}")
+        verdict = found
     accelerator.load_state(verdict.path, load_kwargs=load_kwargs, **load_model_func_kwargs)
     return verdict
 
@@ -96,26 +102,15 @@ def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None
 _VERIFIER = "_ckptverify_background_verifier"
 
 
-def _background_verifier(accelerator: Any, settings: dict[str, Any]) -> Verifier:
-    """The verifier kept on ``accelerator`` for background saves, with this call's settings."""
-    verifier = getattr(accelerator, _VERIFIER, None)
-    fresh = Verifier(**settings)  # validates the settings
-    if verifier is None:
+def _background_verifier(accelerator: Any, fresh: Verifier) -> Verifier:
+    """The verifier kept on ``accelerator`` for background saves (``fresh`` the first time), with ``fresh``'s settings.
+    """
+    kept = getattr(accelerator, _VERIFIER, None)
+    if kept is None:
         setattr(accelerator, _VERIFIER, fresh)
         return fresh
-    vars(verifier).update((k, v) for k, v in vars(fresh).items() if not k.startswith("_"))  # its queue stays
-    return verifier
-
-
-def _newest_verified(accelerator: Any, verifier: Verifier, group: Group) -> Verification:
-    if not accelerator.project_configuration.automatic_checkpoint_naming:
-        raise UsageError("load_state needs input_dir unless the Accelerator's ProjectConfiguration has "
-                         "automatic_checkpoint_naming=True")
-    folder = os.path.join(accelerator.project_dir, "checkpoints")
-    verdict = verifier.newest_numbered(folder, _LAST_NUMBER.search, group=group)
-    if verdict is None:
-        raise CheckpointRefusedError(f"no checkpoint to load under {folder}")
-    return verdict
+    vars(kept).update((k, v) for k, v in vars(fresh).items() if not k.startswith("_"))  # its queue stays
+    return kept
 
 
 def _events_dir(accelerator: Any, events_dir: str | os.PathLike[str] | None) -> str | os.PathLike[str] | None:

@@ -79,7 +79,7 @@ class VerifyCheckpointsCallback(Callback):
         if self._async:
             self._wrap(io, "save_checkpoint", self._submitting(io.save_checkpoint))
             self._wrap(io.checkpoint_io, "save_checkpoint", self._writing_async(trainer, io.checkpoint_io))
-        setattr(strategy, _WRAPPED, self)
+        self._wrap(strategy, _WRAPPED, self)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         while self._restore:
@@ -89,8 +89,6 @@ class VerifyCheckpointsCallback(Callback):
                     delattr(obj, name)  # the class's method shows through again
             else:
                 setattr(obj, name, before)
-        with contextlib.suppress(AttributeError):
-            delattr(trainer.strategy, _WRAPPED)
         if self.verifier.background and stage != "exception":
             # Every write is done (the async plugin was torn down first); every rank is here, the group is up.
             self.verdicts = self.verifier.settle(self.verdicts, group=self._group(trainer))

@@ -139,24 +139,22 @@ class VerifiedCheckpointManager(CheckpointManager):
         verifies."""
         folder = folder or self.folder
         group = torch_group()
-        steps = group.share(lambda: self._candidates(folder))
-        ids = {self._create_checkpoint_id(step, folder): step for step in steps}
+        steps = group.share(lambda: [step for step, _ in numbered_folders(folder, _STEP.search, _holds_a_checkpoint)])
+        ids = {self._create_checkpoint_id(step, folder): step for step in steps}  # newest first, each step once
         verdict = self.verifier.newest_verified(list(ids), folder, group=group)
         if verdict is None:
             return -1
         self._verified_for_load = verdict.path
         return ids[verdict.path]
 
-    def _candidates(self, folder: str) -> list[int]:
-        """``step-N`` folders torchtitan would accept (``.metadata`` or an HF index), newest first."""
-        def holds_a_checkpoint(path: str) -> bool:
-            return os.path.isfile(os.path.join(path, ".metadata")) \
-                or os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
-
-        return sorted({step for step, _ in numbered_folders(folder, _STEP.search, holds_a_checkpoint)}, reverse=True)
-
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         verified, self._verified_for_load = self._verified_for_load, None
         if verified != checkpoint_id:  # not the one _find_load_step has just verified
             self.verifier.before_resume(checkpoint_id, group=torch_group())
         super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+
+def _holds_a_checkpoint(path: str) -> bool:
+    """Whether torchtitan would load the ``step-N`` folder ``path``: it holds ``.metadata`` or an HF index."""
+    return os.path.isfile(os.path.join(path, ".metadata")) \
+        or os.path.isfile(os.path.join(path, "model.safetensors.index.json"))

@@ -77,7 +77,6 @@ def verify_before_resume(path: str | os.PathLike[str], *, jobs: int | None = Non
                          events_dir: str | os.PathLike[str] | None = None) -> str:
     """Verify the folder ``path``; return it if it passes, else raise :class:`~ckptverify.errors.CheckpointRefusedError`
     (naming the first error's file)."""
-    verifier = Verifier(jobs=jobs, events_dir=events_dir)
-    return verifier.before_resume(path, group=torch_group()).path
+    return Verifier(jobs=jobs, events_dir=events_dir).before_resume(path, group=torch_group()).path
 
 

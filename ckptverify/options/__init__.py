@@ -26,9 +26,6 @@ WHEN = ("off", "background", "inline")
 #: What a failed check does (see the module docstring): say it and go on, or raise (on every rank).
 FAILURE_POLICIES = ("warn", "raise")
 
-When = Literal["off", "background", "inline"]
-OnFailure = Literal["warn", "raise"]
-
 
 def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if not isinstance(value, str) or value not in allowed:
@@ -51,26 +48,18 @@ class VerifyOptions:
 
     #: ``"inline"`` (before the save returns), ``"background"`` (queued; the save returns at once) or ``"off"``
     #: (left to ``ckptverify watch`` or the next resume).
-    when: When = "inline"
+    when: Literal["off", "background", "inline"] = "inline"
     #: Also rebuild every tensor and compare its logical fingerprint with the one taken at save time.
     deep: bool = False
     #: ``"warn"`` (warning and event) or ``"raise"`` (error on every rank: from the save when ``"inline"``, from
     #: the next save or the final wait when ``"background"``).
-    on_failure: OnFailure = "warn"
+    on_failure: Literal["warn", "raise"] = "warn"
 
     def __post_init__(self) -> None:
         _one_of("VerifyOptions.when", self.when, WHEN)
         if not isinstance(self.deep, bool):
             raise UsageError(f"VerifyOptions.deep must be True or False, got {self.deep!r}")
         failure_policy("VerifyOptions.on_failure", self.on_failure)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"when": self.when, "deep": self.deep, "on_failure": self.on_failure}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> VerifyOptions:
-        return cls(when=data.get("when", "inline"), deep=bool(data.get("deep", False)),
-                   on_failure=data.get("on_failure", "warn"))
 
 
 def verify_options(where: str, verify: VerifyOptions | str, *, when: tuple[str, ...] = WHEN) -> VerifyOptions:

@@ -48,7 +48,6 @@ def test_corpus_is_pinned_and_well_formed() -> None:
     assert not torch.equal(TokenDataset(64, 32, seed=1).tokens, a.tokens)
     # A prefix of the corpus does not depend on how many sequences are generated.
     assert torch.equal(TokenDataset(8, 32, seed=0).tokens, a.tokens[:8])
-    assert a.entropy_rate < a.uniform_loss - 2.0
 
 
 PINNED_CORPUS_SHA256 = "aed0e4198d01734a1796663e30aeaf0666f0ad9c5b830c3d15ea94df64089217"

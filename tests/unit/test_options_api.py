@@ -66,8 +66,6 @@ def test_an_invalid_option_is_a_usage_error_naming_it(field: str, value: Any) ->
 
 def test_the_options_and_their_defaults() -> None:
     assert VerifyOptions() == VerifyOptions(when="inline", deep=False, on_failure="warn")
-    options = VerifyOptions(when="background", deep=True, on_failure="raise")
-    assert VerifyOptions.from_dict(json.loads(json.dumps(options.to_dict()))) == options
     assert cv.VerifyOptions is VerifyOptions
 
 
