@@ -181,7 +181,17 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
     if saved_gens != set(gens):
         raise UsageError(f"RNG state holds generators {sorted(saved_gens)} but {sorted(gens)} were given to restore "
                          "into")
-    cuda_index = _cuda_index_to_restore(state)
+    if _CUDA_DEVICE in state:
+        ident = state[_CUDA_DEVICE]
+        if (not isinstance(ident, Mapping) or isinstance(ident.get("index"), bool)
+                or not isinstance(ident.get("index"), int) or not isinstance(ident.get("uuid"), str)):
+            raise UsageError(f"RNG state 'cuda_device' must be {{'index': int, 'uuid': str}}, got {ident!r}")
+    cuda_index = None
+    if _CUDA in state:
+        if not torch.cuda.is_available():
+            raise UsageError("RNG state holds a CUDA generator but CUDA is not available here; resume on a CUDA "
+                             "device (the rank's CUDA stream cannot be carried over otherwise)")
+        cuda_index = torch.cuda.current_device()  # initialises CUDA: the capturing rank used it; restored into it
 
     # Validate everything that can be validated before changing any stream.
     cpu = _vector(state[_TORCH_CPU], _TORCH_CPU, torch.get_rng_state())
@@ -201,22 +211,6 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
         _set_state(lambda s: torch.cuda.set_rng_state(s, device=cuda_index), cuda, _CUDA)
     for name, t in gen_states.items():
         _set_state(gens[name].set_state, t, f"{_GEN_PREFIX}{name}")
-
-
-def _cuda_index_to_restore(state: Mapping[str, Any]) -> int | None:
-    """The device index the saved CUDA stream is restored into now (the current device), or ``None`` if none was
-    saved (CUDA untouched)."""
-    if _CUDA_DEVICE in state:
-        ident = state[_CUDA_DEVICE]
-        if (not isinstance(ident, Mapping) or isinstance(ident.get("index"), bool)
-                or not isinstance(ident.get("index"), int) or not isinstance(ident.get("uuid"), str)):
-            raise UsageError(f"RNG state 'cuda_device' must be {{'index': int, 'uuid': str}}, got {ident!r}")
-    if _CUDA not in state:
-        return None
-    if not torch.cuda.is_available():
-        raise UsageError("RNG state holds a CUDA generator but CUDA is not available here; resume on a CUDA device "
-                         "(the rank's CUDA stream cannot be carried over otherwise)")
-    return torch.cuda.current_device()  # initialises CUDA: the capturing rank used it
 
 
 # ------------------------------------------------------------------------------------------- re-seed

@@ -194,16 +194,7 @@ class ResumableSampler(Sampler[int]):
 
     def _track(self, batches: Iterable[_T], size: int) -> Iterator[_T]:
         it = iter(batches)  # a DataLoader draws its base seed here
-        self._note_iterator(it)
-        for batch in it:
-            start = self._consumed
-            n = min(size, self.num_samples - start)
-            self.advance(n)
-            self._handed = (self.epoch, start, n)
-            yield batch
-
-    def _note_iterator(self, it: Any) -> None:
-        """Note the base seed ``it``'s workers re-seed from: the saved one in the resumed epoch, else torch's draw."""
+        # The base seed the iterator's workers re-seed from: the saved one in the resumed epoch, else torch's draw.
         seed = getattr(it, _ITER_SEED_ATTR, None)
         if seed is None:
             seed = self._resume_worker_seed if self._resume_worker_seed is not None else getattr(it, "_base_seed", None)
@@ -212,6 +203,12 @@ class ResumableSampler(Sampler[int]):
                     setattr(it, _ITER_SEED_ATTR, seed)
         if isinstance(seed, int):
             self._worker_seed = seed
+        for batch in it:
+            start = self._consumed
+            n = min(size, self.num_samples - start)
+            self.advance(n)
+            self._handed = (self.epoch, start, n)
+            yield batch
 
     def last_batch(self) -> tuple[int, list[int]] | None:
         """``(epoch, indices)`` of the last batch :meth:`track` handed out (this rank's, in batch order), or ``None``.
