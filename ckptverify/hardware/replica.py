@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptverify.errors import CkptVerifyWarning, ReplicaMismatchError
@@ -40,10 +40,6 @@ class ReplicaMismatch:
         blame = f"; the odd one out: rank(s) {list(self.suspects)}" if self.suspects else ""
         return (f"step {self.step}: replicas of the {self.kind} differ across ranks {list(self.group)} "
                 f"({len(self.sides)} distinct copies: {sides}) in {names}{blame}")
-
-    def to_event(self) -> dict[str, Any]:
-        return {"step": self.step, "kind": self.kind, "group": list(self.group), "sides": list(self.sides),
-                "tensors": list(self.tensors), "suspects": list(self.suspects)}
 
 
 @dataclass
@@ -78,7 +74,6 @@ class ReplicaCheck:
         #: A recorder whose ``step_digests(step, tensors)`` gives the row's digests.
         self.digest_source: Any = None
         self._views: dict[tuple[Any, ...], Any] = {}
-        self.mismatches: list[ReplicaMismatch] = []
         self.episodes: list[_Episode] = []
         self._episode: _Episode | None = None
         self._buckets: dict[tuple[Any, ...], _Bucket] = {}
@@ -174,12 +169,9 @@ class ReplicaCheck:
         todo = present
         if reuse and self.digest_source is not None:
             known = self.digest_source.step_digests(step, [tensors[n] for n in present])
-            todo = []
             for n, d in zip(present, known, strict=True):
-                if d is None:
-                    todo.append(n)
-                else:
-                    out[n] = d
+                out[n] = d
+            todo = [n for n in present if out[n] is None]
             self.reused += len(present) - len(todo)
         host = [n for n in todo if tensors[n].device.type == "cpu"]
         if reuse and host:
@@ -192,7 +184,7 @@ class ReplicaCheck:
             assert digests is not None
             for n, d in zip(host, digests, strict=True):
                 out[n] = d
-            todo = [n for n in todo if n not in set(host)]
+            todo = [n for n in todo if tensors[n].device.type != "cpu"]
         for n, d in zip(todo, tensor_digests([tensors[n] for n in todo]), strict=True):
             out[n] = d
         return out
@@ -229,7 +221,6 @@ class ReplicaCheck:
                                suspects=suspects)
 
     def _report(self, mismatch: ReplicaMismatch) -> None:
-        self.mismatches.append(mismatch)
         message = f"ckptverify: replica mismatch at {mismatch.describe()}"
         first = self._episode is None
         if first:
@@ -241,7 +232,7 @@ class ReplicaCheck:
         reporter = self._rank == min(episode.first.group)
         if self.events is not None and reporter and first:
             # One event per episode start: a bit that stays flipped would otherwise log every step.
-            self.events.emit("replica-mismatch", **mismatch.to_event(), episode=episode.number)
+            self.events.emit("replica-mismatch", **asdict(mismatch), episode=episode.number)
         if self.on_replica_mismatch == "raise":
             raise ReplicaMismatchError(message, mismatch)
         if reporter and first:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ckptverify.errors import CkptVerifyError, UsageError, reported_as_itself
-from ckptverify.state.dataloader import loader_state, restore_loader
+from ckptverify.state.dataloader import check_loader, loader_state, restore_loader
 from ckptverify.state.digest import state_digest
 from ckptverify.state.distributed import rank_world
 from ckptverify.state.rng import RNG_STATE_VERSION, RngState, capture_rng, rank_key, restore_rng
@@ -179,8 +179,6 @@ class TrainState:
         self.scaler = scaler
         self.dataloader = dataloader
         if dataloader is not None:
-            from ckptverify.state.dataloader import check_loader
-
             check_loader(dataloader)  # here, in plain runs too: not at the first save
         self.extras = dict(extras or {})
         for name, obj in self.extras.items():
@@ -345,8 +343,7 @@ class TrainState:
         independently."""
         rng = capture_rng(self.rng.generators)
         fields = copy.deepcopy(self.fields(rng))
-        kept = {"saved_digests": dict(self.saved_digests), "_restored_rng": self._restored_rng,
-                "warnings": list(self.warnings), "restored_fingerprints": dict(self.rng.restored_fingerprints)}
+        kept = dict(self.saved_digests), self._restored_rng, list(self.warnings), dict(self.rng.restored_fingerprints)
 
         def undo() -> None:
             steps: list[Any] = [lambda: self.counters.load_state_dict(fields["counters"])]
@@ -361,10 +358,7 @@ class TrainState:
             for step in steps:  # put back as much as possible; the caller re-raises the failure
                 with contextlib.suppress(Exception):
                     step()
-            self.saved_digests = kept["saved_digests"]
-            self._restored_rng = kept["_restored_rng"]
-            self.warnings[:] = kept["warnings"]
-            self.rng.restored_fingerprints = kept["restored_fingerprints"]
+            self.saved_digests, self._restored_rng, self.warnings[:], self.rng.restored_fingerprints = kept
 
         return undo
 
