@@ -343,7 +343,7 @@ class TrainState:
         independently."""
         rng = capture_rng(self.rng.generators)
         fields = copy.deepcopy(self.fields(rng))
-        kept = dict(self.saved_digests), self._restored_rng, list(self.warnings), dict(self.rng.restored_fingerprints)
+        kept = dict(self.saved_digests), self._restored_rng, list(self.warnings)
 
         def undo() -> None:
             steps: list[Any] = [lambda: self.counters.load_state_dict(fields["counters"])]
@@ -358,7 +358,7 @@ class TrainState:
             for step in steps:  # put back as much as possible; the caller re-raises the failure
                 with contextlib.suppress(Exception):
                     step()
-            self.saved_digests, self._restored_rng, self.warnings[:], self.rng.restored_fingerprints = kept
+            self.saved_digests, self._restored_rng, self.warnings[:] = kept
 
         return undo
 
