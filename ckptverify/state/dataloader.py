@@ -89,14 +89,13 @@ def check_loader(loader: Any) -> None:
 
 # ------------------------------------------------------------------------------------ workers' random streams
 
-def _mix(x: int) -> int:
-    """splitmix64: the golden-ratio step, then its finalizer (the fingerprint's second lane mixer)."""
-    return mix((x + 0x9E3779B97F4A7C15) & MASK64, LANES[1])
-
-
 def batch_seed(base_seed: int, epoch: int, slot: int) -> int:
     """The 64-bit seed of the batch whose first sample is at ``slot`` of ``epoch``'s global order."""
-    return _mix(_mix(_mix(base_seed & MASK64) ^ (epoch & MASK64)) ^ (slot & MASK64))
+    seed = 0
+    for value in (base_seed, epoch, slot):
+        # splitmix64: the golden-ratio step, then its finalizer (the fingerprint's second lane mixer).
+        seed = mix(((seed ^ (value & MASK64)) + 0x9E3779B97F4A7C15) & MASK64, LANES[1])
+    return seed
 
 
 class WorkerSeeding:
