@@ -195,11 +195,8 @@ def _segment_name(start: int) -> str:
 def segments(run_dir: str) -> list[tuple[int, str]]:
     """``(start step, path)`` of every trace segment of a run, by start step."""
     root = os.path.join(run_dir, TRACE_ROOT)
-    out = []
-    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        if name.startswith("from-") and name[5:].isdigit():
-            out.append((int(name[5:]), os.path.join(root, name)))
-    return out
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    return [(int(n[5:]), os.path.join(root, n)) for n in names if n.startswith("from-") and n[5:].isdigit()]
 
 
 def target_of(train: Any) -> str:
@@ -381,8 +378,7 @@ class Production:
 
     def saved(self, step: int, path: str) -> None:
         if self.rank == 0:
-            suspect = self._suspect
-            self.events.emit("save", step=step, path=path, **({"suspect": suspect} if suspect else {}))
+            self.events.emit("save", step=step, path=path, **({"suspect": self._suspect} if self._suspect else {}))
 
     def close(self, step: int) -> None:
         if self.injector is not None:

@@ -4,6 +4,7 @@ devices or dict order. The serialization is part of the checkpoint format: the b
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -17,29 +18,19 @@ _U64 = struct.Struct("<Q")
 _F64 = struct.Struct("<d")
 _I64 = struct.Struct("<q")
 
-_np: Any = None
-_torch: Any = None
-
-
+@functools.cache
 def _modules() -> tuple[Any, Any]:
-    global _np, _torch
-    if _torch is None:
-        import numpy
-        import torch
+    import numpy
+    import torch
 
-        _np, _torch = numpy, torch
-    return _np, _torch
+    return numpy, torch
 
 
 def _tensor(obj: Any, h: Any, buf: bytearray) -> None:
     _, torch = _modules()
     if hasattr(obj, "full_tensor"):  # DTensor: the global value
         obj = obj.full_tensor()
-    t = obj.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
+    t = obj.detach().cpu().contiguous()
     dtype = str(t.dtype).encode()
     buf += b"T" + _U32.pack(len(dtype)) + dtype + _U32.pack(t.dim())
     for s in t.shape:
