@@ -28,6 +28,7 @@ from ckptverify.errors import CkptVerifyError, NotRegularFileError, ResumeRefuse
 from ckptverify.options import VerifyOptions, failure_policy, verify_options
 from ckptverify.ownfiles.names import own_dir, write_atomic
 from ckptverify.safeparse import safejson
+from ckptverify.state.distributed import torch_group
 
 __all__ = ["RESUME_MODES", "RUN_FILE", "TRACE_ROOT", "ProductionOptions", "read_run_file",
            "resume_point", "segment_dir"]
@@ -173,7 +174,6 @@ def resume_point(options: ProductionOptions, *, rank: int, world: int,
     or ``None`` for step 0. Decided on rank 0 (the run directory may exist only there) and broadcast;
     :class:`ResumeRefusedError` on every rank when refused."""
     from ckptverify.runs.latest import Latest
-    from ckptverify.state.distributed import torch_group
 
     mine = _decide(options, refused) if rank == 0 else None
     broadcast = torch_group().broadcast if world > 1 else None
@@ -262,10 +262,9 @@ class Production:
                 if self.rank == 0:
                     _say(f"{picked.path} (step {picked.step}) failed its proof while loading: {exc}; trying the "
                          "next older checkpoint that verifies")
-                failed = picked.path
                 picked = resume_point(self.options, rank=self.rank, world=self.world, refused=refused)
                 if picked is None:  # the refused one vanished meanwhile: this start no longer resumes its run
-                    self._refuse(refused[-1]["reason"], failed)
+                    self._refuse(refused[-1]["reason"], refused[-1]["path"])
                 continue
             except CheckpointRefusedError as exc:
                 self._refuse(str(exc), picked.path)
@@ -320,9 +319,8 @@ class Production:
         if fault and model is not None:
             from ckptverify.hardware.inject import BitFlip, FaultInjector
 
-            flip = BitFlip.from_json(fault)
             self.injector = FaultInjector(
-                flip, model=model, optimizer=optimizers[0] if optimizers else None, rank=self.rank,
+                BitFlip.from_json(fault), model=model, optimizer=optimizers[0] if optimizers else None, rank=self.rank,
                 step_in_progress=lambda: self._step + 1,
                 on_fire=lambda f: self.events.emit("fault-injected", step=f.step, site=f.site, element=f.element,
                                                    bit=f.bit))
@@ -369,12 +367,9 @@ class Production:
                 write_suspect_note(path, self._suspect)
                 _say(f"{os.path.relpath(path, root)} is suspect: {describe_suspect(self._suspect)}; no resume "
                      "picks it")
-        if self.world > 1:
-            from ckptverify.state.distributed import torch_group
-
-            barrier = torch_group().barrier
-            if barrier is not None:
-                barrier()
+        barrier = torch_group().barrier if self.world > 1 else None
+        if barrier is not None:
+            barrier()
 
     def saved(self, step: int, path: str) -> None:
         if self.rank == 0:

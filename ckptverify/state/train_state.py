@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -71,8 +72,6 @@ def _local(grad: Any) -> Any:
 
 def _note_consumed(optimizer: Any, args: Any, kwargs: Any) -> None:
     """After any optimizer step: each parameter notes which gradient, at which version, the step consumed."""
-    import weakref
-
     for group in optimizer.param_groups:
         for p in group["params"]:
             g = p.grad
