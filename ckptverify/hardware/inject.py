@@ -49,8 +49,7 @@ class BitFlip:
     @classmethod
     def from_json(cls, text: str) -> BitFlip:
         try:
-            data = json.loads(text)
-            return cls(**data)
+            return cls(**json.loads(text))
         except (ValueError, TypeError) as exc:
             raise UsageError(f"not a fault description: {text[:200]!r} ({exc})") from None
 

@@ -10,15 +10,26 @@ over ``group`` (default: world): manual model parallelism must pass ``group`` or
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import struct
 import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import xxhash
+
 from ckptverify.errors import CkptVerifyWarning, ReplicaMismatchError
+from ckptverify.fingerprint.logical import collective_device
 from ckptverify.fingerprint.spec import signed
 from ckptverify.options import failure_policy
+from ckptverify.state.distributed import torch_group
+from ckptverify.trace.category import HostViews, tensor_digests
+from ckptverify.trace.sites import is_dtensor, local_view
 
 __all__ = ["ReplicaCheck", "ReplicaMismatch"]
 
@@ -63,8 +74,6 @@ class ReplicaCheck:
 
     def __init__(self, model: Any, *, optimizer: Any = None, group: Any = None,
                  on_replica_mismatch: str = "warn", events: Any = None, exclude: Iterable[str] = ()) -> None:
-        import torch.distributed as dist
-
         self.on_replica_mismatch = failure_policy("on_replica_mismatch", on_replica_mismatch)
         self.events = events
         self.optimizer = optimizer
@@ -82,10 +91,6 @@ class ReplicaCheck:
         self._rank = dist.get_rank() if self.enabled else 0
         if not self.enabled:
             return
-        import socket
-
-        from ckptverify.state.distributed import torch_group
-
         self._hosts = [str(h) for h in torch_group().gathered(socket.gethostname())]
         module = getattr(model, "module", model)  # DDP
         skip = set(exclude)
@@ -140,8 +145,6 @@ class ReplicaCheck:
         return [] if step is None or not self.enabled else self.check(step)
 
     def _tensors(self, bucket: _Bucket, grads: bool) -> tuple[list[str], list[Any]]:
-        from ckptverify.trace.sites import local_view
-
         names: list[str] = []
         tensors: list[Any] = []
         for name, p in bucket.params:
@@ -161,8 +164,6 @@ class ReplicaCheck:
     def _digests_of(self, bucket: _Bucket, tensors: list[Any], step: int, *, reuse: bool) -> list[int | None]:
         """Each tensor's member digest (``None`` if absent): from the trace's row of ``step`` when it has them, else
         computed (host tensors through views kept across checks)."""
-        from ckptverify.trace.category import HostViews, tensor_digests
-
         present = [n for n, t in enumerate(tensors) if t is not None]
         self.compared += len(present)
         out: list[int | None] = [None] * len(tensors)
@@ -191,10 +192,6 @@ class ReplicaCheck:
 
     def _check_bucket(self, bucket: _Bucket, names: list[str], digests: list[int | None], step: int,
                       kind: str) -> ReplicaMismatch | None:
-        import torch
-
-        from ckptverify.fingerprint.logical import collective_device
-
         device = collective_device(bucket.group, torch.device("cpu"))  # host rows: over gloo where served
         gathered = _all_gather([_bucket_digest(digests)], device, bucket.group, len(bucket.ranks))
         if all(g == gathered[0] for g in gathered):
@@ -301,8 +298,6 @@ class _Episode:
 
 def _replica_groups(p: Any, group: Any) -> list[tuple[tuple[Any, ...], Any]]:
     """``(key, process group)`` for each set of ranks that replicate ``p``; keys agree across ranks."""
-    from ckptverify.trace.sites import is_dtensor
-
     if is_dtensor(p):
         mesh = p.device_mesh
         out = []
@@ -320,10 +315,6 @@ def _lanes(hex128: str) -> tuple[int, int]:
 
 def _bucket_digest(digests: list[int | None]) -> tuple[int, int]:
     """xxh3-128 over a bucket's tensor digests in order (an absent tensor as position and marker)."""
-    import struct
-
-    import xxhash
-
     h = xxhash.xxh3_128(struct.pack("<q", len(digests)))
     for n, d in enumerate(digests):
         h.update(struct.pack("<qq", n, -1) if d is None else d.to_bytes(16, "little"))
@@ -337,11 +328,6 @@ _SIDE_STREAMS: dict[Any, Any] = {}
 def _all_gather(rows: list[tuple[int, int]], device: Any, group: Any, n: int) -> list[tuple[tuple[int, int], ...]]:
     """Every member's ``rows`` gathered over ``group``. On CUDA on a side stream: it waits for queued collectives,
     not for the step's computation on the current stream."""
-    import contextlib
-
-    import torch
-    import torch.distributed as dist
-
     side: Any = contextlib.nullcontext()
     if device.type == "cuda":
         stream = _SIDE_STREAMS.get(device)
