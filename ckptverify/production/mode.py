@@ -26,6 +26,7 @@ from typing import Any
 
 from ckptverify.errors import CkptVerifyError, NotRegularFileError, ResumeRefusedError, UsageError
 from ckptverify.options import VerifyOptions, failure_policy, verify_options
+from ckptverify.ownfiles.events import EventLog
 from ckptverify.ownfiles.names import own_dir, write_atomic
 from ckptverify.safeparse import safejson
 from ckptverify.state.distributed import torch_group
@@ -89,7 +90,6 @@ def _decide(options: ProductionOptions, refused: list[dict[str, Any]] | None = N
     and move aside what a save would overwrite. Returns ``{"picked": Latest dict or None}`` or ``{"error": msg}``
     (nothing moved). ``refused``: this start's picks that failed while loading; the last is recorded and the pick
     made again. An unwritable run directory is refused before anything is moved."""
-    from ckptverify.ownfiles.events import EventLog
     from ckptverify.ownfiles.names import open_append
     from ckptverify.runs.latest import is_own_step_dir, latest_verified
 
@@ -225,8 +225,6 @@ class Production:
     """The production side of one :class:`~ckptverify.resume.run.Run`: events, replicas, faults, run file."""
 
     def __init__(self, options: ProductionOptions, *, rank: int, world: int, target: str, start: int) -> None:
-        from ckptverify.ownfiles.events import EventLog
-
         self.options = options
         self.rank = rank
         self.world = world
