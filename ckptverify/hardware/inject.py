@@ -12,7 +12,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 from ckptverify.errors import UsageError
+from ckptverify.trace.sites import local_view
 
 __all__ = ["KINDS", "BitFlip", "FaultInjector", "flip_bit_"]
 
@@ -59,10 +62,6 @@ _INT_BY_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 def flip_bit_(t: Any, element: int, bit: int) -> None:
     """Flip bit ``bit`` of element ``element`` of ``t`` in place, any dtype, through an integer view."""
-    import torch
-
-    from ckptverify.trace.sites import local_view
-
     data = local_view(t).detach()
     if data.is_complex():
         data = torch.view_as_real(data)
@@ -135,8 +134,6 @@ class FaultInjector:
         self._fire(target)
 
     def _activation_hook(self, module: Any, args: Any, output: Any) -> Any:
-        import torch
-
         if not self._due() or not isinstance(output, torch.Tensor):
             return None
         out = output.clone()

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ckptverify.errors import CkptVerifyError, UsageError, reported_as_itself
 from ckptverify.state.dataloader import check_loader, loader_state, restore_loader
@@ -85,8 +87,6 @@ def watch_optimizer_steps() -> None:
     those a step consumed (loops that zero gradients at the next step save with stale ``.grad``: nothing lost)."""
     global _watching
     if not _watching:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
         register_optimizer_step_post_hook(_note_consumed)
         _watching = True
 
@@ -96,8 +96,6 @@ def pending_gradients(model: Any, *, limit: int = 5) -> tuple[list[str], int]:
     gradients a checkpoint does not save. Returns up to ``limit`` names and the count. Per rank, no collective. Only
     parameters a step was seen to update are judged (so a save before the first step is not warned about); FSDP2's
     unsharded gradients with sync off are not seen."""
-    from torch.nn.parallel import DistributedDataParallel
-
     if not _watching:
         return [], 0
 
