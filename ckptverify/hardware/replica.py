@@ -131,8 +131,6 @@ class ReplicaCheck:
         """At the end of traced step ``step``: compare the previous call's step (its trace digests are on the host by
         now) and remember ``step``. Untraced tensors (optimizer state) are read as they are now; without a
         state-recording ``digest_source``, compares ``step`` now."""
-        if not self.enabled:
-            return []
         if not getattr(self.digest_source, "records_state", False):
             return self.check(step)
         previous, self._late = self._late, step
@@ -142,7 +140,7 @@ class ReplicaCheck:
         """Compare the step :meth:`check_late` still holds, now. Every member calls it at the same points
         (collectives)."""
         step, self._late = self._late, None
-        return [] if step is None or not self.enabled else self.check(step)
+        return [] if step is None else self.check(step)
 
     def _tensors(self, bucket: _Bucket, grads: bool) -> tuple[list[str], list[Any]]:
         names: list[str] = []
