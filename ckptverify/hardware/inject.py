@@ -12,11 +12,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 from ckptverify.errors import UsageError
+from ckptverify.trace.sites import local_view
 
-__all__ = ["ENV_VAR", "KINDS", "BitFlip", "FaultInjector", "flip_bit_"]
+__all__ = ["KINDS", "BitFlip", "FaultInjector", "flip_bit_"]
 
-ENV_VAR = "CKPTVERIFY_FAULT"
 KINDS = ("grad", "param", "optim", "activation")
 
 
@@ -50,8 +52,7 @@ class BitFlip:
     @classmethod
     def from_json(cls, text: str) -> BitFlip:
         try:
-            data = json.loads(text)
-            return cls(**data)
+            return cls(**json.loads(text))
         except (ValueError, TypeError) as exc:
             raise UsageError(f"not a fault description: {text[:200]!r} ({exc})") from None
 
@@ -61,10 +62,6 @@ _INT_BY_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 def flip_bit_(t: Any, element: int, bit: int) -> None:
     """Flip bit ``bit`` of element ``element`` of ``t`` in place, any dtype, through an integer view."""
-    import torch
-
-    from ckptverify.trace.sites import local_view
-
     data = local_view(t).detach()
     if data.is_complex():
         data = torch.view_as_real(data)
@@ -108,11 +105,9 @@ class FaultInjector:
         if optimizer is None:
             raise UsageError(f"a {flip.kind} fault needs the optimizer")
         self._param = params[flip.name]
-        if flip.kind == "grad":
-            self._handles.append(optimizer.register_step_pre_hook(self._grad_hook))
-        else:
-            self._optimizer = optimizer
-            self._handles.append(optimizer.register_step_post_hook(self._after_step_hook))
+        # A gradient before the optimizer step (after any all-reduce); parameters and optimizer state after it.
+        register = optimizer.register_step_pre_hook if flip.kind == "grad" else optimizer.register_step_post_hook
+        self._handles.append(register(self._step_hook))
 
     def _due(self) -> bool:
         return not self.fired and self.rank == self.flip.rank and self._step() == self.flip.step
@@ -123,27 +118,22 @@ class FaultInjector:
         if self._on_fire is not None:
             self._on_fire(self.flip)
 
-    def _grad_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._due():
-            if self._param.grad is None:
-                raise UsageError(f"parameter {self.flip.name!r} has no gradient at step {self.flip.step}")
-            self._fire(self._param.grad)
-
-    def _after_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._due():
             return
-        if self.flip.kind == "param":
-            self._fire(self._param)
-            return
-        state = self._optimizer.state.get(self._param, {})
-        value = state.get(self.flip.state_key)
-        if value is None or not hasattr(value, "dtype"):
-            raise UsageError(f"optimizer state of {self.flip.name!r} has no tensor {self.flip.state_key!r}")
-        self._fire(value)
+        if self.flip.kind == "grad":
+            target = self._param.grad
+            if target is None:
+                raise UsageError(f"parameter {self.flip.name!r} has no gradient at step {self.flip.step}")
+        elif self.flip.kind == "param":
+            target = self._param
+        else:
+            target = optimizer.state.get(self._param, {}).get(self.flip.state_key)
+            if target is None or not hasattr(target, "dtype"):
+                raise UsageError(f"optimizer state of {self.flip.name!r} has no tensor {self.flip.state_key!r}")
+        self._fire(target)
 
     def _activation_hook(self, module: Any, args: Any, output: Any) -> Any:
-        import torch
-
         if not self._due() or not isinstance(output, torch.Tensor):
             return None
         out = output.clone()

@@ -10,15 +10,26 @@ over ``group`` (default: world): manual model parallelism must pass ``group`` or
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import struct
 import sys
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import xxhash
+
 from ckptverify.errors import CkptVerifyWarning, ReplicaMismatchError
+from ckptverify.fingerprint.logical import collective_device
 from ckptverify.fingerprint.spec import signed
 from ckptverify.options import failure_policy
+from ckptverify.state.distributed import torch_group
+from ckptverify.trace.category import HostViews, tensor_digests
+from ckptverify.trace.sites import is_dtensor, local_view
 
 __all__ = ["ReplicaCheck", "ReplicaMismatch"]
 
@@ -40,10 +51,6 @@ class ReplicaMismatch:
         blame = f"; the odd one out: rank(s) {list(self.suspects)}" if self.suspects else ""
         return (f"step {self.step}: replicas of the {self.kind} differ across ranks {list(self.group)} "
                 f"({len(self.sides)} distinct copies: {sides}) in {names}{blame}")
-
-    def to_event(self) -> dict[str, Any]:
-        return {"step": self.step, "kind": self.kind, "group": list(self.group), "sides": list(self.sides),
-                "tensors": list(self.tensors), "suspects": list(self.suspects)}
 
 
 @dataclass
@@ -67,8 +74,6 @@ class ReplicaCheck:
 
     def __init__(self, model: Any, *, optimizer: Any = None, group: Any = None,
                  on_replica_mismatch: str = "warn", events: Any = None, exclude: Iterable[str] = ()) -> None:
-        import torch.distributed as dist
-
         self.on_replica_mismatch = failure_policy("on_replica_mismatch", on_replica_mismatch)
         self.events = events
         self.optimizer = optimizer
@@ -78,7 +83,6 @@ class ReplicaCheck:
         #: A recorder whose ``step_digests(step, tensors)`` gives the row's digests.
         self.digest_source: Any = None
         self._views: dict[tuple[Any, ...], Any] = {}
-        self.mismatches: list[ReplicaMismatch] = []
         self.episodes: list[_Episode] = []
         self._episode: _Episode | None = None
         self._buckets: dict[tuple[Any, ...], _Bucket] = {}
@@ -87,10 +91,6 @@ class ReplicaCheck:
         self._rank = dist.get_rank() if self.enabled else 0
         if not self.enabled:
             return
-        import socket
-
-        from ckptverify.state.distributed import torch_group
-
         self._hosts = [str(h) for h in torch_group().gathered(socket.gethostname())]
         module = getattr(model, "module", model)  # DDP
         skip = set(exclude)
@@ -131,8 +131,6 @@ class ReplicaCheck:
         """At the end of traced step ``step``: compare the previous call's step (its trace digests are on the host by
         now) and remember ``step``. Untraced tensors (optimizer state) are read as they are now; without a
         state-recording ``digest_source``, compares ``step`` now."""
-        if not self.enabled:
-            return []
         if not getattr(self.digest_source, "records_state", False):
             return self.check(step)
         previous, self._late = self._late, step
@@ -142,11 +140,9 @@ class ReplicaCheck:
         """Compare the step :meth:`check_late` still holds, now. Every member calls it at the same points
         (collectives)."""
         step, self._late = self._late, None
-        return [] if step is None or not self.enabled else self.check(step)
+        return [] if step is None else self.check(step)
 
     def _tensors(self, bucket: _Bucket, grads: bool) -> tuple[list[str], list[Any]]:
-        from ckptverify.trace.sites import local_view
-
         names: list[str] = []
         tensors: list[Any] = []
         for name, p in bucket.params:
@@ -166,20 +162,15 @@ class ReplicaCheck:
     def _digests_of(self, bucket: _Bucket, tensors: list[Any], step: int, *, reuse: bool) -> list[int | None]:
         """Each tensor's member digest (``None`` if absent): from the trace's row of ``step`` when it has them, else
         computed (host tensors through views kept across checks)."""
-        from ckptverify.trace.category import HostViews, tensor_digests
-
         present = [n for n, t in enumerate(tensors) if t is not None]
         self.compared += len(present)
         out: list[int | None] = [None] * len(tensors)
         todo = present
         if reuse and self.digest_source is not None:
             known = self.digest_source.step_digests(step, [tensors[n] for n in present])
-            todo = []
             for n, d in zip(present, known, strict=True):
-                if d is None:
-                    todo.append(n)
-                else:
-                    out[n] = d
+                out[n] = d
+            todo = [n for n in present if out[n] is None]
             self.reused += len(present) - len(todo)
         host = [n for n in todo if tensors[n].device.type == "cpu"]
         if reuse and host:
@@ -192,17 +183,13 @@ class ReplicaCheck:
             assert digests is not None
             for n, d in zip(host, digests, strict=True):
                 out[n] = d
-            todo = [n for n in todo if n not in set(host)]
+            todo = [n for n in todo if tensors[n].device.type != "cpu"]
         for n, d in zip(todo, tensor_digests([tensors[n] for n in todo]), strict=True):
             out[n] = d
         return out
 
     def _check_bucket(self, bucket: _Bucket, names: list[str], digests: list[int | None], step: int,
                       kind: str) -> ReplicaMismatch | None:
-        import torch
-
-        from ckptverify.fingerprint.logical import collective_device
-
         device = collective_device(bucket.group, torch.device("cpu"))  # host rows: over gloo where served
         gathered = _all_gather([_bucket_digest(digests)], device, bucket.group, len(bucket.ranks))
         if all(g == gathered[0] for g in gathered):
@@ -229,7 +216,6 @@ class ReplicaCheck:
                                suspects=suspects)
 
     def _report(self, mismatch: ReplicaMismatch) -> None:
-        self.mismatches.append(mismatch)
         message = f"ckptverify: replica mismatch at {mismatch.describe()}"
         first = self._episode is None
         if first:
@@ -241,7 +227,7 @@ class ReplicaCheck:
         reporter = self._rank == min(episode.first.group)
         if self.events is not None and reporter and first:
             # One event per episode start: a bit that stays flipped would otherwise log every step.
-            self.events.emit("replica-mismatch", **mismatch.to_event(), episode=episode.number)
+            self.events.emit("replica-mismatch", **asdict(mismatch), episode=episode.number)
         if self.on_replica_mismatch == "raise":
             raise ReplicaMismatchError(message, mismatch)
         if reporter and first:
@@ -310,8 +296,6 @@ class _Episode:
 
 def _replica_groups(p: Any, group: Any) -> list[tuple[tuple[Any, ...], Any]]:
     """``(key, process group)`` for each set of ranks that replicate ``p``; keys agree across ranks."""
-    from ckptverify.trace.sites import is_dtensor
-
     if is_dtensor(p):
         mesh = p.device_mesh
         out = []
@@ -329,10 +313,6 @@ def _lanes(hex128: str) -> tuple[int, int]:
 
 def _bucket_digest(digests: list[int | None]) -> tuple[int, int]:
     """xxh3-128 over a bucket's tensor digests in order (an absent tensor as position and marker)."""
-    import struct
-
-    import xxhash
-
     h = xxhash.xxh3_128(struct.pack("<q", len(digests)))
     for n, d in enumerate(digests):
         h.update(struct.pack("<qq", n, -1) if d is None else d.to_bytes(16, "little"))
@@ -346,11 +326,6 @@ _SIDE_STREAMS: dict[Any, Any] = {}
 def _all_gather(rows: list[tuple[int, int]], device: Any, group: Any, n: int) -> list[tuple[tuple[int, int], ...]]:
     """Every member's ``rows`` gathered over ``group``. On CUDA on a side stream: it waits for queued collectives,
     not for the step's computation on the current stream."""
-    import contextlib
-
-    import torch
-    import torch.distributed as dist
-
     side: Any = contextlib.nullcontext()
     if device.type == "cuda":
         stream = _SIDE_STREAMS.get(device)

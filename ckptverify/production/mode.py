@@ -26,8 +26,10 @@ from typing import Any
 
 from ckptverify.errors import CkptVerifyError, NotRegularFileError, ResumeRefusedError, UsageError
 from ckptverify.options import VerifyOptions, failure_policy, verify_options
+from ckptverify.ownfiles.events import EventLog
 from ckptverify.ownfiles.names import own_dir, write_atomic
 from ckptverify.safeparse import safejson
+from ckptverify.state.distributed import torch_group
 
 __all__ = ["RESUME_MODES", "RUN_FILE", "TRACE_ROOT", "ProductionOptions", "read_run_file",
            "resume_point", "segment_dir"]
@@ -88,9 +90,75 @@ def _decide(options: ProductionOptions, refused: list[dict[str, Any]] | None = N
     and move aside what a save would overwrite. Returns ``{"picked": Latest dict or None}`` or ``{"error": msg}``
     (nothing moved). ``refused``: this start's picks that failed while loading; the last is recorded and the pick
     made again. An unwritable run directory is refused before anything is moved."""
+    from ckptverify.ownfiles.names import open_append
+    from ckptverify.runs.latest import is_own_step_dir, latest_verified
+
     root = options.run_dir
+    refused = refused or []
     try:
-        return _decide_writing(options, refused or [])
+        log = EventLog(root, rank=0)  # creates the run directory
+        # Before deciding, so an unwritable directory is refused with nothing changed (a read-only mount refuses
+        # even root; append-open never follows a link).
+        os.close(open_append(log.path))
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable by this process", root)
+        if refused:
+            last = refused[-1]
+            log.emit("checkpoint-refused-at-load", path=os.path.relpath(last["path"], root),
+                     **{k: v for k, v in last.items() if k != "path"})
+        # Stamps trusted: load_picked proves the bytes while reading, and a refusal stamps the pick failed.
+        found = latest_verified(root, formats={"dcp"}, train_state=True, trust_stamps=True)
+        for q in found.quarantined if not refused else ():  # listed once, at the job's start
+            _say(f"not considered: {q['path']}: {q['reason']}")
+            log.emit("checkpoint-skipped", **q)
+        for s in found.skipped:
+            at = "" if s["step"] is None else f" (step {s['step']})"
+            _say(f"skipped {s['path']}{at}: {s['state']}: {s['reason']}")
+            log.emit("checkpoint-skipped", **s)
+        present = [s for s in found.skipped if s["state"] != "other-format"]
+        # An uncommitted save does not stop "auto" from starting at step 0 (it is still moved aside).
+        committed = [s for s in present if s["state"] != "incomplete"]
+        listing = "; ".join(f"{s['path']}: {s['state']} ({s['reason']})" for s in committed)
+        error = None
+        if found.path is not None and any(r["path"] == found.path for r in refused):
+            error = (f"{os.path.relpath(found.path, root)} (step {found.step}) failed its proof while loading and its "
+                     "failed stamp could not be written, so it would be picked again: nothing was loaded, and nothing "
+                     "was moved.")
+        elif options.resume == "never" and found.path is not None:
+            error = (f"resume='never' starts over from step 0, but {root} holds a checkpoint that verifies "
+                     f"({os.path.relpath(found.path, root)}, step {found.step}): the new run would overwrite its "
+                     "steps, or a later resume would pick the older run's state over the new one's. Use a new run "
+                     "directory, or resume='auto'. Nothing was changed.")
+        elif options.resume != "never" and found.path is None and committed:
+            error = (f"resume={options.resume!r}: {len(committed)} checkpoint(s) under {root} and none verifies, so "
+                     f"there is nothing to resume from: {listing}. Nothing was changed. To start over from step 0 "
+                     "anyway, pass resume='never' (they are then moved aside into quarantine/, never deleted).")
+        elif options.resume == "required" and found.path is None:
+            error = (f"resume='required': there is nothing to resume from: no checkpoint under {root}. Nothing was "
+                     "changed.")
+
+        def refuse(error: str) -> dict[str, Any]:
+            _say(error)
+            log.emit("resume-refused", resume=options.resume, reason=error, skipped=found.skipped)
+            return {"error": error}
+
+        if error is not None:
+            return refuse(error)
+        for s in present:
+            # Skipped ones are newer than the pick: a save of this job may land on them.
+            if not is_own_step_dir(s["path"]):
+                continue
+            try:
+                _move_aside(log, root, s["path"], s["step"], s["state"], s["reason"])
+            except CkptVerifyError as exc:  # the job does not start over a checkpoint it cannot keep
+                return refuse(f"{exc}. The job does not start: a save of it could land on {s['path']}.")
+        if found.path is not None:
+            newer = f"; {len(found.skipped)} newer skipped" if found.skipped else ""
+            _say(f"resuming from {os.path.relpath(found.path, root)} (step {found.step}), the newest checkpoint that "
+                 f"verifies{newer}")
+        elif present or found.quarantined:
+            _say(f"starting from step 0 (resume={options.resume!r})")
+        return {"picked": found.to_dict() if found.path is not None else None}
     except OSError as exc:
         error = (f"cannot write to the run directory {root} ({exc}): a production job saves, records its events and "
                  "moves aside the checkpoints that fail there. Nothing was loaded (what was moved aside, if "
@@ -100,95 +168,19 @@ def _decide(options: ProductionOptions, refused: list[dict[str, Any]] | None = N
         return {"error": error}
 
 
-def _decide_writing(options: ProductionOptions, refused: list[dict[str, Any]]) -> dict[str, Any]:
-    """:func:`_decide`, raising ``OSError`` when the run directory cannot be written."""
-    from ckptverify.ownfiles.events import EventLog
-    from ckptverify.ownfiles.names import open_append
-    from ckptverify.runs.latest import is_own_step_dir, latest_verified
-
-    root = options.run_dir
-    log = EventLog(root, rank=0)  # creates the run directory
-    # Before deciding, so an unwritable directory is refused with nothing changed (a read-only mount refuses
-    # even root; append-open never follows a link).
-    os.close(open_append(log.path))
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, "not writable by this process", root)
-    if refused:
-        last = refused[-1]
-        log.emit("checkpoint-refused-at-load", path=os.path.relpath(last["path"], root),
-                 **{k: v for k, v in last.items() if k != "path"})
-    # Stamps trusted: load_picked proves the bytes while reading, and a refusal stamps the pick failed.
-    found = latest_verified(root, formats={"dcp"}, train_state=True, trust_stamps=True)
-    for q in found.quarantined if not refused else ():  # listed once, at the job's start
-        _say(f"not considered: {q['path']}: {q['reason']}")
-        log.emit("checkpoint-skipped", **q)
-    for s in found.skipped:
-        at = "" if s["step"] is None else f" (step {s['step']})"
-        _say(f"skipped {s['path']}{at}: {s['state']}: {s['reason']}")
-        log.emit("checkpoint-skipped", **s)
-    present = [s for s in found.skipped if s["state"] != "other-format"]
-    # An uncommitted save does not stop "auto" from starting at step 0 (it is still moved aside).
-    committed = [s for s in present if s["state"] != "incomplete"]
-    listing = "; ".join(f"{s['path']}: {s['state']} ({s['reason']})" for s in committed)
-    error = None
-    if found.path is not None and any(r["path"] == found.path for r in refused):
-        error = (f"{os.path.relpath(found.path, root)} (step {found.step}) failed its proof while loading and its "
-                 "failed stamp could not be written, so it would be picked again: nothing was loaded, and nothing "
-                 "was moved.")
-    elif options.resume == "never" and found.path is not None:
-        error = (f"resume='never' starts over from step 0, but {root} holds a checkpoint that verifies "
-                 f"({os.path.relpath(found.path, root)}, step {found.step}): the new run would overwrite its steps, "
-                 "or a later resume would pick the older run's state over the new one's. Use a new run directory, "
-                 "or resume='auto'. Nothing was changed.")
-    elif options.resume != "never" and found.path is None and committed:
-        error = (f"resume={options.resume!r}: {len(committed)} checkpoint(s) under {root} and none verifies, so "
-                 f"there is nothing to resume from: {listing}. Nothing was changed. To start over from step 0 "
-                 "anyway, pass resume='never' (they are then moved aside into quarantine/, never deleted).")
-    elif options.resume == "required" and found.path is None:
-        error = (f"resume='required': there is nothing to resume from: no checkpoint under {root}. Nothing was "
-                 "changed.")
-
-    def refuse(error: str) -> dict[str, Any]:
-        _say(error)
-        log.emit("resume-refused", resume=options.resume, reason=error, skipped=found.skipped)
-        return {"error": error}
-
-    if error is not None:
-        return refuse(error)
-    for s in present:
-        # Skipped ones are newer than the pick: a save of this job may land on them.
-        if not is_own_step_dir(s["path"]):
-            continue
-        try:
-            _move_aside(log, root, s["path"], s["step"], s["state"], s["reason"])
-        except CkptVerifyError as exc:  # the job does not start over a checkpoint it cannot keep
-            return refuse(f"{exc}. The job does not start: a save of it could land on {s['path']}.")
-    if found.path is not None:
-        newer = f"; {len(found.skipped)} newer skipped" if found.skipped else ""
-        _say(f"resuming from {os.path.relpath(found.path, root)} (step {found.step}), the newest checkpoint that "
-             f"verifies{newer}")
-    elif present or found.quarantined:
-        _say(f"starting from step 0 (resume={options.resume!r})")
-    return {"picked": found.to_dict() if found.path is not None else None}
-
-
 def resume_point(options: ProductionOptions, *, rank: int, world: int,
                  refused: list[dict[str, Any]] | None = None) -> Any:
     """The checkpoint a production job resumes from (a :class:`~ckptverify.runs.latest.Latest`, equal on every rank),
     or ``None`` for step 0. Decided on rank 0 (the run directory may exist only there) and broadcast;
     :class:`ResumeRefusedError` on every rank when refused."""
     from ckptverify.runs.latest import Latest
-    from ckptverify.state.distributed import torch_group
 
     mine = _decide(options, refused) if rank == 0 else None
     broadcast = torch_group().broadcast if world > 1 else None
     outcome = mine if broadcast is None else broadcast(mine)
     if "error" in outcome:
         raise ResumeRefusedError(outcome["error"])
-    data = outcome["picked"]
-    if data is None:
-        return None
-    return Latest.from_dict(data)
+    return None if outcome["picked"] is None else Latest.from_dict(outcome["picked"])
 
 
 def segment_dir(run_dir: str, start: int) -> str:
@@ -203,11 +195,8 @@ def _segment_name(start: int) -> str:
 def segments(run_dir: str) -> list[tuple[int, str]]:
     """``(start step, path)`` of every trace segment of a run, by start step."""
     root = os.path.join(run_dir, TRACE_ROOT)
-    out = []
-    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        if name.startswith("from-") and name[5:].isdigit():
-            out.append((int(name[5:]), os.path.join(root, name)))
-    return out
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    return [(int(n[5:]), os.path.join(root, n)) for n in names if n.startswith("from-") and n[5:].isdigit()]
 
 
 def target_of(train: Any) -> str:
@@ -236,8 +225,6 @@ class Production:
     """The production side of one :class:`~ckptverify.resume.run.Run`: events, replicas, faults, run file."""
 
     def __init__(self, options: ProductionOptions, *, rank: int, world: int, target: str, start: int) -> None:
-        from ckptverify.ownfiles.events import EventLog
-
         self.options = options
         self.rank = rank
         self.world = world
@@ -273,10 +260,9 @@ class Production:
                 if self.rank == 0:
                     _say(f"{picked.path} (step {picked.step}) failed its proof while loading: {exc}; trying the "
                          "next older checkpoint that verifies")
-                failed = picked.path
                 picked = resume_point(self.options, rank=self.rank, world=self.world, refused=refused)
                 if picked is None:  # the refused one vanished meanwhile: this start no longer resumes its run
-                    self._refuse(refused[-1]["reason"], failed)
+                    self._refuse(refused[-1]["reason"], refused[-1]["path"])
                 continue
             except CheckpointRefusedError as exc:
                 self._refuse(str(exc), picked.path)
@@ -331,9 +317,8 @@ class Production:
         if fault and model is not None:
             from ckptverify.hardware.inject import BitFlip, FaultInjector
 
-            flip = BitFlip.from_json(fault)
             self.injector = FaultInjector(
-                flip, model=model, optimizer=optimizers[0] if optimizers else None, rank=self.rank,
+                BitFlip.from_json(fault), model=model, optimizer=optimizers[0] if optimizers else None, rank=self.rank,
                 step_in_progress=lambda: self._step + 1,
                 on_fire=lambda f: self.events.emit("fault-injected", step=f.step, site=f.site, element=f.element,
                                                    bit=f.bit))
@@ -380,17 +365,13 @@ class Production:
                 write_suspect_note(path, self._suspect)
                 _say(f"{os.path.relpath(path, root)} is suspect: {describe_suspect(self._suspect)}; no resume "
                      "picks it")
-        if self.world > 1:
-            from ckptverify.state.distributed import torch_group
-
-            barrier = torch_group().barrier
-            if barrier is not None:
-                barrier()
+        barrier = torch_group().barrier if self.world > 1 else None
+        if barrier is not None:
+            barrier()
 
     def saved(self, step: int, path: str) -> None:
         if self.rank == 0:
-            suspect = self._suspect
-            self.events.emit("save", step=step, path=path, **({"suspect": suspect} if suspect else {}))
+            self.events.emit("save", step=step, path=path, **({"suspect": self._suspect} if self._suspect else {}))
 
     def close(self, step: int) -> None:
         if self.injector is not None:

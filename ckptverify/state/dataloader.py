@@ -24,6 +24,10 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
 from ckptverify.errors import UsageError
 from ckptverify.fingerprint.spec import LANES, MASK64, mix
 from ckptverify.state.sampler import Drawn, ResumableSampler, _is_stateful_dataloader
@@ -48,14 +52,6 @@ _ITERABLE = (
 )
 
 
-def _refusal(loader: Any) -> str:
-    """Why ``loader``'s position cannot be saved, and the ways that can (the one way for an IterableDataset)."""
-    from torch.utils.data import IterableDataset
-
-    iterable = isinstance(getattr(loader, "dataset", None), IterableDataset)
-    return f"{_SUPPORTED}{_ITERABLE if iterable else ''}"
-
-
 def find_resumable_sampler(loader: Any) -> ResumableSampler | None:
     """The :class:`ResumableSampler` driving ``loader`` (its ``sampler`` or ``batch_sampler.sampler``), if any."""
     for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
@@ -64,45 +60,23 @@ def find_resumable_sampler(loader: Any) -> ResumableSampler | None:
     return None
 
 
+def _kind(loader: Any, refused: str) -> tuple[str, ResumableSampler | None]:
+    """What keeps ``loader``'s position, and its :class:`ResumableSampler` if any; :class:`UsageError` starting with
+    ``refused`` when nothing does, naming the ways that work (the one way for an IterableDataset)."""
+    sampler = find_resumable_sampler(loader)
+    if _is_stateful_dataloader(loader):
+        return KIND_STATEFUL_DATALOADER, sampler
+    if sampler is not None:
+        return KIND_RESUMABLE_SAMPLER, sampler
+    iterable = isinstance(getattr(loader, "dataset", None), IterableDataset)
+    raise UsageError(f"{refused} the position of a {_describe(loader)}: {_SUPPORTED}{_ITERABLE if iterable else ''}")
+
+
 def check_loader(loader: Any) -> None:
     """Refuse, at ``TrainState`` creation, a loader whose position cannot be saved; install per-batch worker seeding
     for a ``ResumableSampler``-driven loader with workers (see the module docstring)."""
-    sampler = find_resumable_sampler(loader)
-    if sampler is not None:
-        _seed_workers_per_batch(loader, sampler)
-        return
-    if _is_stateful_dataloader(loader):
-        return
-    raise UsageError(f"TrainState(dataloader=...) cannot save the position of a {_describe(loader)}: "
-                     f"{_refusal(loader)}")
-
-
-# ------------------------------------------------------------------------------------ workers' random streams
-
-def _mix(x: int) -> int:
-    """splitmix64: the golden-ratio step, then its finalizer (the fingerprint's second lane mixer)."""
-    return mix((x + 0x9E3779B97F4A7C15) & MASK64, LANES[1])
-
-
-def batch_seed(base_seed: int, epoch: int, slot: int) -> int:
-    """The 64-bit seed of the batch whose first sample is at ``slot`` of ``epoch``'s global order."""
-    return _mix(_mix(_mix(base_seed & MASK64) ^ (epoch & MASK64)) ^ (slot & MASK64))
-
-
-def _seed_streams(seed: int) -> None:
-    import torch
-
-    torch.default_generator.manual_seed(seed)
-    random.seed(seed)
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is installed with the package
-        return
-    np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
-
-
-def _seed_workers_per_batch(loader: Any, sampler: ResumableSampler) -> None:
-    if not sampler.reseed_workers or not (getattr(loader, "num_workers", 0) or 0) > 0:
+    _, sampler = _kind(loader, "TrainState(dataloader=...) cannot save")
+    if sampler is None or not sampler.reseed_workers or not (getattr(loader, "num_workers", 0) or 0) > 0:
         return
     if getattr(loader, "batch_sampler", None) is None:
         return  # no automatic batching: the fetcher calls dataset[i] directly, there is no batch to seed
@@ -113,6 +87,17 @@ def _seed_workers_per_batch(loader: Any, sampler: ResumableSampler) -> None:
     sampler._tag = True
 
 
+# ------------------------------------------------------------------------------------ workers' random streams
+
+def batch_seed(base_seed: int, epoch: int, slot: int) -> int:
+    """The 64-bit seed of the batch whose first sample is at ``slot`` of ``epoch``'s global order."""
+    seed = 0
+    for value in (base_seed, epoch, slot):
+        # splitmix64: the golden-ratio step, then its finalizer (the fingerprint's second lane mixer).
+        seed = mix(((seed ^ (value & MASK64)) + 0x9E3779B97F4A7C15) & MASK64, LANES[1])
+    return seed
+
+
 class WorkerSeeding:
     """``worker_init_fn`` re-seeding a worker's global streams before each batch; calls ``user_fn`` first."""
 
@@ -121,8 +106,6 @@ class WorkerSeeding:
         self.user_fn = user_fn
 
     def __call__(self, worker_id: int) -> None:
-        from torch.utils.data import get_worker_info
-
         if self.user_fn is not None:
             self.user_fn(worker_id)
         info = get_worker_info()
@@ -131,7 +114,19 @@ class WorkerSeeding:
         # The main process set the saved base seed before starting the workers of the resumed epoch.
         saved = self.sampler._resume_worker_seed
         base = saved if saved is not None else info.seed - worker_id
-        _reseed_each_batch(info.dataset, base)
+        dataset = info.dataset
+        # torch's fetcher calls __getitems__ when present (instance attributes count); a dataset's own is kept.
+        fetch = getattr(dataset, "__getitems__", None) or None
+        if isinstance(fetch, _ReseedEachBatch):
+            fetch.base_seed = base
+            return
+        hook = _ReseedEachBatch(dataset, base, fetch)
+        try:
+            dataset.__getitems__ = hook
+        except (AttributeError, TypeError):  # a dataset with __slots__: a subclass of the same layout holds it
+            cls = type(dataset)
+            dataset.__class__ = type(cls.__name__, (cls,), {"__slots__": (), "__getitems__":
+                                                             lambda self, indices: hook(indices)})
 
 
 class _ReseedEachBatch:
@@ -143,26 +138,14 @@ class _ReseedEachBatch:
     def __call__(self, indices: Sequence[Any]) -> Any:
         first = indices[0] if len(indices) else None
         if isinstance(first, Drawn):
-            _seed_streams(batch_seed(self.base_seed, first.epoch, first.slot))
+            seed = batch_seed(self.base_seed, first.epoch, first.slot)
+            torch.default_generator.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
             indices = [int(i) for i in indices]
         if self.fetch is not None:
             return self.fetch(list(indices))
         return [self.dataset[i] for i in indices]
-
-
-def _reseed_each_batch(dataset: Any, base_seed: int) -> None:
-    # torch's fetcher calls __getitems__ when present (instance attributes count); a dataset's own is kept.
-    fetch = getattr(dataset, "__getitems__", None) or None
-    if isinstance(fetch, _ReseedEachBatch):
-        fetch.base_seed = base_seed
-        return
-    hook = _ReseedEachBatch(dataset, base_seed, fetch)
-    try:
-        dataset.__getitems__ = hook
-    except (AttributeError, TypeError):  # a dataset with __slots__: a subclass of the same layout holds it
-        cls = type(dataset)
-        dataset.__class__ = type(cls.__name__, (cls,), {"__slots__": (), "__getitems__":
-                                                         lambda self, indices: hook(indices)})
 
 
 def _describe(loader: Any) -> str:
@@ -172,22 +155,20 @@ def _describe(loader: Any) -> str:
 
 def loader_state(loader: Any) -> dict[str, Any]:
     """This rank's position in ``loader``, as ``{"kind": ..., "state": ...}``."""
-    if _is_stateful_dataloader(loader):
-        sampler = find_resumable_sampler(loader)
+    kind, sampler = _kind(loader, "cannot save")
+    if kind == KIND_STATEFUL_DATALOADER:
         if sampler is not None and sampler.tracking:
             raise UsageError("the StatefulDataLoader's ResumableSampler was tracked; a StatefulDataLoader accounts for "
                              "prefetching itself, so iterate it directly instead of through sampler.track()")
-        return {"kind": KIND_STATEFUL_DATALOADER, "state": loader.state_dict()}
-    sampler = find_resumable_sampler(loader)
-    if sampler is not None:
-        workers = getattr(loader, "num_workers", 0) or 0
-        if workers > 0 and not sampler.tracking and sampler.drawn_this_pass > 0:
-            raise UsageError(f"the DataLoader has {workers} worker(s) and draws indices ahead of the training loop, "
-                             "but the loop did not report consumption: iterate with `for batch in "
-                             "sampler.track(loader)` (or call sampler.advance(n) after each batch) so the saved "
-                             "position counts consumed samples")
-        return {"kind": KIND_RESUMABLE_SAMPLER, "state": sampler.state_dict()}
-    raise UsageError(f"cannot save the position of a {_describe(loader)}: {_refusal(loader)}")
+        return {"kind": kind, "state": loader.state_dict()}
+    assert sampler is not None
+    workers = getattr(loader, "num_workers", 0) or 0
+    if workers > 0 and not sampler.tracking and sampler.drawn_this_pass > 0:
+        raise UsageError(f"the DataLoader has {workers} worker(s) and draws indices ahead of the training loop, "
+                         "but the loop did not report consumption: iterate with `for batch in "
+                         "sampler.track(loader)` (or call sampler.advance(n) after each batch) so the saved "
+                         "position counts consumed samples")
+    return {"kind": kind, "state": sampler.state_dict()}
 
 
 def restore_loader(loader: Any, state: Mapping[str, Any]) -> None:
@@ -195,18 +176,11 @@ def restore_loader(loader: Any, state: Mapping[str, Any]) -> None:
     batch is the one an uninterrupted run would produce."""
     if not isinstance(state, Mapping) or "kind" not in state or "state" not in state:
         raise UsageError("loader state must be a mapping with 'kind' and 'state', as made by loader_state()")
-    kind = state["kind"]
-    if _is_stateful_dataloader(loader):
-        expected = KIND_STATEFUL_DATALOADER
-    elif find_resumable_sampler(loader) is not None:
-        expected = KIND_RESUMABLE_SAMPLER
-    else:
-        raise UsageError(f"cannot restore the position of a {_describe(loader)}: {_refusal(loader)}")
-    if kind != expected:
-        raise UsageError(f"loader state of kind {kind!r} cannot be restored into a {_describe(loader)} ({expected})")
-    if expected == KIND_STATEFUL_DATALOADER:
+    expected, sampler = _kind(loader, "cannot restore")
+    if state["kind"] != expected:
+        raise UsageError(f"loader state of kind {state['kind']!r} cannot be restored into a {_describe(loader)} "
+                         f"({expected})")
+    if sampler is None or expected == KIND_STATEFUL_DATALOADER:
         loader.load_state_dict(dict(state["state"]))
     else:
-        sampler = find_resumable_sampler(loader)
-        assert sampler is not None
         sampler.load_state_dict(state["state"])

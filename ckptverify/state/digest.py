@@ -4,6 +4,7 @@ devices or dict order. The serialization is part of the checkpoint format: the b
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -17,29 +18,19 @@ _U64 = struct.Struct("<Q")
 _F64 = struct.Struct("<d")
 _I64 = struct.Struct("<q")
 
-_np: Any = None
-_torch: Any = None
-
-
+@functools.cache
 def _modules() -> tuple[Any, Any]:
-    global _np, _torch
-    if _torch is None:
-        import numpy
-        import torch
+    import numpy
+    import torch
 
-        _np, _torch = numpy, torch
-    return _np, _torch
+    return numpy, torch
 
 
 def _tensor(obj: Any, h: Any, buf: bytearray) -> None:
     _, torch = _modules()
     if hasattr(obj, "full_tensor"):  # DTensor: the global value
         obj = obj.full_tensor()
-    t = obj.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
+    t = obj.detach().cpu().contiguous()
     dtype = str(t.dtype).encode()
     buf += b"T" + _U32.pack(len(dtype)) + dtype + _U32.pack(t.dim())
     for s in t.shape:
@@ -52,7 +43,7 @@ def _tensor(obj: Any, h: Any, buf: bytearray) -> None:
 
 def _walk(obj: Any, h: Any, buf: bytearray) -> None:
     kind = type(obj)
-    # Fast path; the isinstance chain below gives the same bytes.
+    # The exact built-in types; _walk_other gives everything else, or reduces it to them.
     if kind is float:
         buf += b"F" + _F64.pack(obj)
     elif kind is int:
@@ -65,21 +56,12 @@ def _walk(obj: Any, h: Any, buf: bytearray) -> None:
         buf += b"B1" if obj else b"B0"
     elif obj is None:
         buf += b"N"
-    elif kind is dict:
-        _mapping(obj, h, buf)
     elif kind is list or kind is tuple:
         buf += b"L" + _U64.pack(len(obj))
         for item in obj:
             _walk(item, h, buf)
     else:
         _walk_other(obj, h, buf)
-
-
-def _mapping(obj: Mapping[Any, Any], h: Any, buf: bytearray) -> None:
-    buf += b"D" + _U64.pack(len(obj))
-    for key in sorted(obj, key=str):
-        _walk(str(key), h, buf)
-        _walk(obj[key], h, buf)
 
 
 def _walk_other(obj: Any, h: Any, buf: bytearray) -> None:
@@ -89,23 +71,22 @@ def _walk_other(obj: Any, h: Any, buf: bytearray) -> None:
     elif isinstance(obj, np.ndarray):
         _tensor(torch.from_numpy(np.ascontiguousarray(obj)), h, buf)
     elif isinstance(obj, bool | np.bool_):
-        buf += b"B1" if obj else b"B0"
+        _walk(bool(obj), h, buf)
     elif isinstance(obj, int | np.integer):
-        raw = str(int(obj)).encode()
-        buf += b"I" + _U32.pack(len(raw)) + raw
+        _walk(int(obj), h, buf)
     elif isinstance(obj, float | np.floating):
-        buf += b"F" + _F64.pack(float(obj))
+        _walk(float(obj), h, buf)
     elif isinstance(obj, str):
-        raw = obj.encode()
-        buf += b"S" + _U64.pack(len(raw)) + raw
+        _walk(str.__str__(obj), h, buf)  # the characters, whatever a subclass's __str__ says
     elif isinstance(obj, bytes | bytearray):
         buf += b"Y" + _U64.pack(len(obj)) + bytes(obj)
     elif isinstance(obj, Mapping):
-        _mapping(obj, h, buf)
+        buf += b"D" + _U64.pack(len(obj))
+        for key in sorted(obj, key=str):
+            _walk(str(key), h, buf)
+            _walk(obj[key], h, buf)
     elif isinstance(obj, list | tuple):
-        buf += b"L" + _U64.pack(len(obj))
-        for item in obj:
-            _walk(item, h, buf)
+        _walk(list(obj), h, buf)
     else:
         # Opaque objects (e.g. a scheduler's lambda): their type is all that can be compared.
         name = f"{type(obj).__module__}.{type(obj).__qualname__}".encode()

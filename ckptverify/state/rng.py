@@ -24,11 +24,10 @@ import torch
 import xxhash
 
 from ckptverify.errors import UsageError
-from ckptverify.state.digest import state_digest
 from ckptverify.state.distributed import rank_world
 
-__all__ = ["RNG_STATE_VERSION", "RngState", "capture_rng", "cuda_in_use", "derive_seed", "device_identity", "rank_key",
-           "reseed_rng", "restore_rng", "rng_fingerprints"]
+__all__ = ["RNG_STATE_VERSION", "RngState", "capture_rng", "cuda_in_use", "derive_seed", "rank_key", "reseed_rng",
+           "restore_rng"]
 
 #: Version of the :class:`RngState` state dict layout.
 RNG_STATE_VERSION = 1
@@ -89,13 +88,6 @@ def cuda_in_use() -> bool:
     return bool(torch.cuda.is_initialized()) and torch.cuda.memory_allocated(torch.cuda.current_device()) > 0
 
 
-def device_identity(index: int) -> dict[str, Any]:
-    """``{"index", "uuid"}`` of visible device ``index`` (the UUID names the physical device; the index may be
-    remapped)."""
-    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-    return {"index": int(index), "uuid": "" if uuid is None else str(uuid)}
-
-
 def capture_rng(generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:
     """Every random stream's current state (layout: module docstring), plus ``generators`` as ``gen.{name}``. Tensors
     are copies. CUDA is read only if :func:`cuda_in_use`, and only the current device."""
@@ -105,7 +97,9 @@ def capture_rng(generators: Mapping[str, torch.Generator] | None = None) -> dict
     if cuda_in_use():
         index = torch.cuda.current_device()
         state[_CUDA] = torch.cuda.get_rng_state(index).clone()
-        state[_CUDA_DEVICE] = device_identity(index)
+        # The UUID names the physical device; the index may be remapped.
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        state[_CUDA_DEVICE] = {"index": int(index), "uuid": "" if uuid is None else str(uuid)}
     for name, gen in gens.items():
         state[f"{_GEN_PREFIX}{name}"] = {"device": str(gen.device), "state": gen.get_state().clone()}
     return state
@@ -181,7 +175,17 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
     if saved_gens != set(gens):
         raise UsageError(f"RNG state holds generators {sorted(saved_gens)} but {sorted(gens)} were given to restore "
                          "into")
-    cuda_index = _cuda_index_to_restore(state)
+    if _CUDA_DEVICE in state:
+        ident = state[_CUDA_DEVICE]
+        if (not isinstance(ident, Mapping) or isinstance(ident.get("index"), bool)
+                or not isinstance(ident.get("index"), int) or not isinstance(ident.get("uuid"), str)):
+            raise UsageError(f"RNG state 'cuda_device' must be {{'index': int, 'uuid': str}}, got {ident!r}")
+    cuda_index = None
+    if _CUDA in state:
+        if not torch.cuda.is_available():
+            raise UsageError("RNG state holds a CUDA generator but CUDA is not available here; resume on a CUDA "
+                             "device (the rank's CUDA stream cannot be carried over otherwise)")
+        cuda_index = torch.cuda.current_device()  # initialises CUDA: the capturing rank used it; restored into it
 
     # Validate everything that can be validated before changing any stream.
     cpu = _vector(state[_TORCH_CPU], _TORCH_CPU, torch.get_rng_state())
@@ -201,22 +205,6 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
         _set_state(lambda s: torch.cuda.set_rng_state(s, device=cuda_index), cuda, _CUDA)
     for name, t in gen_states.items():
         _set_state(gens[name].set_state, t, f"{_GEN_PREFIX}{name}")
-
-
-def _cuda_index_to_restore(state: Mapping[str, Any]) -> int | None:
-    """The device index the saved CUDA stream is restored into now (the current device), or ``None`` if none was
-    saved (CUDA untouched)."""
-    if _CUDA_DEVICE in state:
-        ident = state[_CUDA_DEVICE]
-        if (not isinstance(ident, Mapping) or isinstance(ident.get("index"), bool)
-                or not isinstance(ident.get("index"), int) or not isinstance(ident.get("uuid"), str)):
-            raise UsageError(f"RNG state 'cuda_device' must be {{'index': int, 'uuid': str}}, got {ident!r}")
-    if _CUDA not in state:
-        return None
-    if not torch.cuda.is_available():
-        raise UsageError("RNG state holds a CUDA generator but CUDA is not available here; resume on a CUDA device "
-                         "(the rank's CUDA stream cannot be carried over otherwise)")
-    return torch.cuda.current_device()  # initialises CUDA: the capturing rank used it
 
 
 # ------------------------------------------------------------------------------------------- re-seed
@@ -239,17 +227,6 @@ def reseed_rng(seed: int, rank: int, generators: Mapping[str, torch.Generator] |
         torch.cuda.manual_seed(derive_seed(seed, rank, _CUDA))
     for name, gen in gens.items():
         gen.manual_seed(derive_seed(seed, rank, f"{_GEN_PREFIX}{name}"))
-
-
-# ------------------------------------------------------------------------------------------- fingerprints
-
-
-def rng_fingerprints(state: Mapping[str, Any]) -> dict[str, str]:
-    """:func:`~ckptverify.state.digest.state_digest` per captured kind (the trace's digest of a stream): equal
-    digests mean equal states, independent of strides, devices or dict order."""
-    if not isinstance(state, Mapping):
-        raise UsageError(f"RNG state must be a mapping, got {type(state).__name__}")
-    return {str(kind): state_digest(state[kind]) for kind in sorted(state, key=str)}
 
 
 # ------------------------------------------------------------------------------------------- Stateful
@@ -279,8 +256,6 @@ class RngState:
         self.seed = int(seed)
         #: Messages about anything that made the restore inexact (a re-seed after a world size change).
         self.warnings: list[str] = []
-        #: Digests of the streams last restored by :meth:`load_state_dict` (empty after a re-seed).
-        self.restored_fingerprints: dict[str, str] = {}
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": RNG_STATE_VERSION, "world_size": self.world_size,
@@ -302,7 +277,6 @@ class RngState:
                                  "re-seed from a seed and the rank (the resumed run will then not be bitwise "
                                  "identical to an uninterrupted one).")
             reseed_rng(self.seed, self.rank, self.generators)
-            self.restored_fingerprints = {}
             self.warnings.append(f"world size changed from {saved_world} to {self.world_size}: RNG streams of rank "
                                  f"{self.rank} were re-seeded from seed {self.seed} and the rank, not restored; the "
                                  "resumed run is not bitwise identical to an uninterrupted one")
@@ -311,4 +285,3 @@ class RngState:
         if key not in state_dict:
             raise UsageError(f"RNG state dict has no entry {key!r} for this rank (keys: {sorted(state_dict)})")
         restore_rng(state_dict[key], self.generators)
-        self.restored_fingerprints = rng_fingerprints(state_dict[key])

@@ -77,20 +77,11 @@ def epoch_indices(dataset_len: int, num_replicas: int, rank: int, *, epoch: int,
     num_samples = num_samples_per_replica(dataset_len, num_replicas, drop_last)
     total_size = num_samples * num_replicas
     if shuffle:
-        g = torch.Generator()
-        g.manual_seed(seed + epoch)
-        indices = torch.randperm(dataset_len, generator=g).tolist()
+        indices = torch.randperm(dataset_len, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
     else:
         indices = list(range(dataset_len))
-    if not drop_last:
-        padding = total_size - len(indices)
-        if padding > 0:
-            if padding <= len(indices):
-                indices += indices[:padding]
-            else:
-                indices += (indices * math.ceil(padding / len(indices)))[:padding]
-    else:
-        indices = indices[:total_size]
+    # Padded by repeating it (without drop_last) or cut, to num_samples per rank.
+    indices = (indices * math.ceil(total_size / max(len(indices), 1)))[:total_size]
     return indices[rank:total_size:num_replicas]
 
 
@@ -194,16 +185,7 @@ class ResumableSampler(Sampler[int]):
 
     def _track(self, batches: Iterable[_T], size: int) -> Iterator[_T]:
         it = iter(batches)  # a DataLoader draws its base seed here
-        self._note_iterator(it)
-        for batch in it:
-            start = self._consumed
-            n = min(size, self.num_samples - start)
-            self.advance(n)
-            self._handed = (self.epoch, start, n)
-            yield batch
-
-    def _note_iterator(self, it: Any) -> None:
-        """Note the base seed ``it``'s workers re-seed from: the saved one in the resumed epoch, else torch's draw."""
+        # The base seed the iterator's workers re-seed from: the saved one in the resumed epoch, else torch's draw.
         seed = getattr(it, _ITER_SEED_ATTR, None)
         if seed is None:
             seed = self._resume_worker_seed if self._resume_worker_seed is not None else getattr(it, "_base_seed", None)
@@ -212,6 +194,12 @@ class ResumableSampler(Sampler[int]):
                     setattr(it, _ITER_SEED_ATTR, seed)
         if isinstance(seed, int):
             self._worker_seed = seed
+        for batch in it:
+            start = self._consumed
+            n = min(size, self.num_samples - start)
+            self.advance(n)
+            self._handed = (self.epoch, start, n)
+            yield batch
 
     def last_batch(self) -> tuple[int, list[int]] | None:
         """``(epoch, indices)`` of the last batch :meth:`track` handed out (this rank's, in batch order), or ``None``.
@@ -303,31 +291,27 @@ class ResumableSampler(Sampler[int]):
         if position > old_num_samples or old_rank >= old_replicas:
             raise UsageError(f"sampler state is inconsistent: position {position} of {old_num_samples} samples per "
                              f"rank, rank {old_rank} of {old_replicas}")
-        if old_replicas == self.num_replicas:
+        new_position, new_replicas = position, self.num_replicas
+        if old_replicas == new_replicas:
             if old_rank != self.rank:
                 raise UsageError(f"sampler state belongs to rank {old_rank}, this sampler is rank {self.rank}")
-            new_position = position
+        elif position == old_num_samples:
+            new_position = self.num_samples  # the epoch was finished
         else:
-            new_position = self._reshard(position, old_replicas, old_num_samples)
+            consumed = position * old_replicas
+            if consumed % new_replicas != 0:
+                raise UsageError(f"cannot reshard the sampler from {old_replicas} to {new_replicas} replicas: each "
+                                 f"rank consumed {position} samples, {consumed} globally, which is not divisible by "
+                                 f"{new_replicas}; resuming would skip or repeat samples. Resume on {old_replicas} "
+                                 f"replicas, or checkpoint at a global sample count divisible by {new_replicas}.")
+            old_total = old_num_samples * old_replicas
+            if self.drop_last and old_total != self.total_size:
+                raise UsageError(f"cannot reshard the sampler from {old_replicas} to {new_replicas} replicas with "
+                                 f"drop_last=True: the epoch would end after {self.total_size} samples instead of "
+                                 f"{old_total}, so samples would be skipped or added")
+            new_position = consumed // new_replicas
         self.epoch = epoch
         self._pass_id += 1
         self._resume_at = self._pass_start = self._drawn = self._consumed = new_position
         self._worker_seed = self._resume_worker_seed = worker_seed
         self._handed = None
-
-    def _reshard(self, position: int, old_replicas: int, old_num_samples: int) -> int:
-        new_replicas = self.num_replicas
-        if position == old_num_samples:
-            return self.num_samples  # the epoch was finished
-        consumed = position * old_replicas
-        if consumed % new_replicas != 0:
-            raise UsageError(f"cannot reshard the sampler from {old_replicas} to {new_replicas} replicas: each rank "
-                             f"consumed {position} samples, {consumed} globally, which is not divisible by "
-                             f"{new_replicas}; resuming would skip or repeat samples. Resume on {old_replicas} "
-                             f"replicas, or checkpoint at a global sample count divisible by {new_replicas}.")
-        old_total = old_num_samples * old_replicas
-        if self.drop_last and old_total != self.total_size:
-            raise UsageError(f"cannot reshard the sampler from {old_replicas} to {new_replicas} replicas with "
-                             f"drop_last=True: the epoch would end after {self.total_size} samples instead of "
-                             f"{old_total}, so samples would be skipped or added")
-        return consumed // new_replicas

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ckptverify.errors import CkptVerifyError, UsageError, reported_as_itself
-from ckptverify.state.dataloader import loader_state, restore_loader
+from ckptverify.state.dataloader import check_loader, loader_state, restore_loader
 from ckptverify.state.digest import state_digest
 from ckptverify.state.distributed import rank_world
 from ckptverify.state.rng import RNG_STATE_VERSION, RngState, capture_rng, rank_key, restore_rng
@@ -71,8 +74,6 @@ def _local(grad: Any) -> Any:
 
 def _note_consumed(optimizer: Any, args: Any, kwargs: Any) -> None:
     """After any optimizer step: each parameter notes which gradient, at which version, the step consumed."""
-    import weakref
-
     for group in optimizer.param_groups:
         for p in group["params"]:
             g = p.grad
@@ -86,8 +87,6 @@ def watch_optimizer_steps() -> None:
     those a step consumed (loops that zero gradients at the next step save with stale ``.grad``: nothing lost)."""
     global _watching
     if not _watching:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
         register_optimizer_step_post_hook(_note_consumed)
         _watching = True
 
@@ -97,8 +96,6 @@ def pending_gradients(model: Any, *, limit: int = 5) -> tuple[list[str], int]:
     gradients a checkpoint does not save. Returns up to ``limit`` names and the count. Per rank, no collective. Only
     parameters a step was seen to update are judged (so a save before the first step is not warned about); FSDP2's
     unsharded gradients with sync off are not seen."""
-    from torch.nn.parallel import DistributedDataParallel
-
     if not _watching:
         return [], 0
 
@@ -179,8 +176,6 @@ class TrainState:
         self.scaler = scaler
         self.dataloader = dataloader
         if dataloader is not None:
-            from ckptverify.state.dataloader import check_loader
-
             check_loader(dataloader)  # here, in plain runs too: not at the first save
         self.extras = dict(extras or {})
         for name, obj in self.extras.items():
@@ -224,12 +219,14 @@ class TrainState:
             out[f"extras.{name}"] = obj.state_dict()
         return out
 
-    def digests(self, rng: Mapping[str, Any] | None = None) -> dict[str, str]:
-        return {name: state_digest(value) for name, value in self.fields(rng).items()}
+    def digests(self, fields: Mapping[str, Any] | None = None) -> dict[str, str]:
+        """The digest of each field (of ``fields`` as :meth:`fields` gave them, default: as they are now)."""
+        return {name: state_digest(value) for name, value in (self.fields() if fields is None else fields).items()}
 
     def state_dict(self) -> dict[str, Any]:
         rng = capture_rng(self.rng.generators)  # first: reading other state may draw from the streams
-        digests = self.digests(rng)
+        fields = self.fields(rng)
+        digests = self.digests(fields)
         model_sd, optim_sd = self._model_optim()
         me = rank_key(self.rank)
         sd: dict[str, Any] = {"version": STATE_VERSION, "world_size": self.world_size}
@@ -238,10 +235,10 @@ class TrainState:
         if self.optimizers:
             sd["optim"] = optim_sd
         if self.schedulers:
-            sd["scheduler"] = {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}
+            sd["scheduler"] = {str(i): fields[f"scheduler.{i}"] for i in range(len(self.schedulers))}
         if self.scaler is not None:
-            sd["scaler"] = self.scaler.state_dict()
-        sd["counters"] = self.counters.state_dict()
+            sd["scaler"] = fields["scaler"]
+        sd["counters"] = fields["counters"]
         sd["rng"] = {"version": RNG_STATE_VERSION, "world_size": self.world_size, me: rng}
         data_key, digest_key = me, me
         if self.resharding:
@@ -251,9 +248,9 @@ class TrainState:
             data_key = rank_key(0)
             digest_key = me if self.rank < (self.saved_world_size or 0) else None
         if self.dataloader is not None:
-            sd["data"] = {data_key: self._loader_state()}
+            sd["data"] = {data_key: fields["data"]}
         if self.extras:
-            sd["extras"] = {name: obj.state_dict() for name, obj in self.extras.items()}
+            sd["extras"] = {name: fields[f"extras.{name}"] for name in self.extras}
         if digest_key is not None:
             sd["digests"] = {digest_key: digests}
         return sd
@@ -342,30 +339,23 @@ class TrainState:
         """Capture what applying changes outside model and optimizer; return a function putting each part back
         independently."""
         rng = capture_rng(self.rng.generators)
-        counters = self.counters.state_dict()
-        scheds = [copy.deepcopy(s.state_dict()) for s in self.schedulers]
-        scaler = copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None
-        loader = copy.deepcopy(self._loader_state()) if self.dataloader is not None else None
-        extras = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.extras.items()}
-        kept = {"saved_digests": dict(self.saved_digests), "_restored_rng": self._restored_rng,
-                "warnings": list(self.warnings), "restored_fingerprints": dict(self.rng.restored_fingerprints)}
+        fields = copy.deepcopy(self.fields(rng))
+        kept = dict(self.saved_digests), self._restored_rng, list(self.warnings)
 
         def undo() -> None:
-            steps: list[Any] = [lambda: self.counters.load_state_dict(counters)]
-            steps += [lambda s=s, st=st: s.load_state_dict(st) for s, st in zip(self.schedulers, scheds, strict=True)]
-            if scaler is not None:
-                steps.append(lambda: self.scaler.load_state_dict(scaler))
-            if loader is not None:
-                steps.append(lambda: restore_loader(self.dataloader, loader))
-            steps += [lambda o=self.extras[n], st=st: o.load_state_dict(st) for n, st in extras.items()]
+            steps: list[Any] = [lambda: self.counters.load_state_dict(fields["counters"])]
+            steps += [lambda i=i, s=s: s.load_state_dict(fields[f"scheduler.{i}"])
+                      for i, s in enumerate(self.schedulers)]
+            if self.scaler is not None:
+                steps.append(lambda: self.scaler.load_state_dict(fields["scaler"]))
+            if self.dataloader is not None:
+                steps.append(lambda: restore_loader(self.dataloader, fields["data"]))
+            steps += [lambda n=n, o=o: o.load_state_dict(fields[f"extras.{n}"]) for n, o in self.extras.items()]
             steps.append(lambda: restore_rng(rng, self.rng.generators))  # last: the others may draw
             for step in steps:  # put back as much as possible; the caller re-raises the failure
                 with contextlib.suppress(Exception):
                     step()
-            self.saved_digests = kept["saved_digests"]
-            self._restored_rng = kept["_restored_rng"]
-            self.warnings[:] = kept["warnings"]
-            self.rng.restored_fingerprints = kept["restored_fingerprints"]
+            self.saved_digests, self._restored_rng, self.warnings[:] = kept
 
         return undo
 

@@ -15,7 +15,8 @@ from helpers.fake_cuda import FakeCuda
 
 import ckptverify
 from ckptverify.errors import CheckpointRefusedError, UsageError
-from ckptverify.state.rng import RngState, capture_rng, reseed_rng, restore_rng, rng_fingerprints
+from ckptverify.state.digest import state_digest
+from ckptverify.state.rng import RngState, capture_rng, reseed_rng, restore_rng
 
 
 def test_a_rank_saves_only_its_own_device_stream_and_which_device_that_was(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -41,9 +42,9 @@ def test_the_saved_stream_goes_into_the_device_the_rank_uses_now_whatever_its_in
     assert all(torch.equal(resumer.states[i], before[i]) for i in resumer.states if i != current), \
         "another device's stream was changed"
     # The stream digests alike wherever it went; only the device's identity differs.
-    now = rng_fingerprints(capture_rng())
-    assert now["cuda"] == rng_fingerprints(state)["cuda"]
-    assert now["cuda_device"] != rng_fingerprints(state)["cuda_device"]
+    now = capture_rng()
+    assert state_digest(now["cuda"]) == state_digest(state["cuda"])
+    assert state_digest(now["cuda_device"]) != state_digest(state["cuda_device"])
 
 
 def test_a_cuda_stream_is_refused_where_cuda_is_not_available(monkeypatch: pytest.MonkeyPatch) -> None:
