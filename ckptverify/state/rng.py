@@ -158,7 +158,7 @@ def _set_state(setter: Any, tensor: torch.Tensor, kind: str) -> None:
 def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generator] | None = None) -> None:
     """Put back every stream :func:`capture_rng` captured, exactly. ``generators`` must name the same generators (same
     device types). ``cuda`` goes into the current device (initialising CUDA if needed). Anything unrestorable raises
-    :class:`~ckptverify.errors.UsageError` before any stream changes."""
+    :class:`~ckptverify.errors.UsageError` with every stream as it was."""
     if not isinstance(state, Mapping):
         raise UsageError(f"RNG state must be a mapping, got {type(state).__name__}")
     gens = _check_generators(generators)
@@ -198,13 +198,26 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
             raise UsageError(f"generator {name!r} was captured on {device} but the given one is on {gen.device}")
         gen_states[name] = _vector(_field(state[kind], kind, "state"), kind, gen.get_state())
 
-    _restore_python(state[_PYTHON])
-    _restore_numpy(state[_NUMPY])
-    _set_state(torch.set_rng_state, cpu, _TORCH_CPU)
+    # What only setting it can check (a Python or numpy state's own rules): a refusal puts back the streams set.
+    def set_cuda(s: torch.Tensor) -> None:
+        torch.cuda.set_rng_state(s, device=cuda_index)
+
+    undo = [(random.setstate, random.getstate()), (np.random.set_state, np.random.get_state()),
+            (torch.set_rng_state, torch.get_rng_state()), *((g.set_state, g.get_state()) for g in gens.values())]
     if cuda is not None:
-        _set_state(lambda s: torch.cuda.set_rng_state(s, device=cuda_index), cuda, _CUDA)
-    for name, t in gen_states.items():
-        _set_state(gens[name].set_state, t, f"{_GEN_PREFIX}{name}")
+        undo.append((set_cuda, torch.cuda.get_rng_state(cuda_index)))
+    try:
+        _restore_python(state[_PYTHON])
+        _restore_numpy(state[_NUMPY])
+        _set_state(torch.set_rng_state, cpu, _TORCH_CPU)
+        if cuda is not None:
+            _set_state(set_cuda, cuda, _CUDA)
+        for name, t in gen_states.items():
+            _set_state(gens[name].set_state, t, f"{_GEN_PREFIX}{name}")
+    except BaseException:
+        for setter, before in undo:
+            setter(before)
+        raise
 
 
 # ------------------------------------------------------------------------------------------- re-seed

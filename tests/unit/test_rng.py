@@ -298,6 +298,21 @@ def test_reseed_is_reproducible() -> None:
     assert _draw(gen) == a
 
 
+def test_a_state_only_setting_can_refuse_leaves_every_stream_as_it_was() -> None:
+    """The Python stream is valid and set first; numpy refuses its own (an unknown bit generator): the Python stream
+    is put back, so a refused restore never leaves some streams restored and others not."""
+    gen = torch.Generator().manual_seed(5)
+    saved = capture_rng({"loader": gen})
+    random.random()
+    np.random.random()
+    gen.seed()
+    before = _fingerprints(capture_rng({"loader": gen}))
+    bad = {**saved, "numpy": {**saved["numpy"], "bit_generator": "PCG64"}}
+    with pytest.raises(UsageError, match="numpy"):
+        restore_rng(bad, {"loader": gen})
+    assert _fingerprints(capture_rng({"loader": gen})) == before
+
+
 def test_load_refuses_foreign_rank_and_bad_version() -> None:
     sd = RngState(rank=0, world_size=2).state_dict()
     with pytest.raises(UsageError, match="rank1"):
