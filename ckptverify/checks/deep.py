@@ -198,7 +198,8 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
 
     with paused_gc():  # thousands of scans and blocks, no reference cycles (see gcpause)
         scans, findings = _merge(desc, wanted, run_map(scan, wanted), only)
-        parts = run_map(lambda t: scan_subclass_parts(desc, t, progress, view_limit, budgets), subclassed)
+        parts = run_map(lambda t: scan_subclass_parts(desc, t, progress, view_limit, budgets, stop_on_change),
+                        subclassed)
         for t, got in zip(subclassed, parts, strict=True):
             got.unreadable.extend(t.unread)
             scans[t.name] = got
@@ -263,9 +264,10 @@ def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, T
 
 
 def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[int], None] | None,
-                        view_limit: int | None, budgets: dict[int, int]) -> TensorScan:
+                        view_limit: int | None, budgets: dict[int, int], stop_on_change: bool) -> TensorScan:
     """Rebuild each inner tensor of ``t`` (a tensor subclass) and give each part's fingerprint and the subclass's (as
-    :mod:`ckptverify.fingerprint.subclass` gives it live). ``budgets``: each part's share of the view bound."""
+    :mod:`ckptverify.fingerprint.subclass` gives it live). ``budgets``: each part's share of the view bound;
+    ``stop_on_change`` as :func:`scan_description`'s."""
     import json
 
     from ckptverify.fingerprint import TensorFingerprint, combine
@@ -280,6 +282,8 @@ def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[in
             got = _scan_piece(desc, f"{t.name}.{part.name}", p, part.shape, progress, view_limit,
                               budgets.get(id(p), MAX_VIEW_BYTES))
         except (OSError, ValueError, KeyError) as exc:
+            if stop_on_change and isinstance(exc, FileChangedError):
+                raise
             out.unreadable.append(f"{t.name} part {part.name!r}: {exc}")
             continue
         out.add(got)

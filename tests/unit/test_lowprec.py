@@ -573,3 +573,25 @@ print(json.dumps({{"torchao": any(m.startswith("torchao") for m in sys.modules),
     record = next(m for s, c, m in got["dcp"] if c == "tensor-record")
     assert "torchao.prototype.mx_formats.mx_tensor.to_dtype is not part of a tensor record" in record
     assert path.read_bytes() == before
+
+
+def test_a_file_changing_under_a_subclass_part_stops_the_scan_as_under_any_piece(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stop_on_change`` holds for a subclass's parts as for plain pieces: the scan stops (what was read proves
+    nothing about the file now); without it the part is unreadable."""
+    from ckptverify.checks import deep
+    from ckptverify.errors import FileChangedError
+    from ckptverify.formats.describe import describe
+
+    torch.save({"mx": _mx()}, tmp_path / "q.pt")
+    desc = describe(str(tmp_path / "q.pt"))
+    assert desc.tensors["mx"].subclass is not None
+
+    def changed(*args: object, **kwargs: object) -> None:
+        raise FileChangedError("q.pt changed while it was read")
+
+    monkeypatch.setattr(deep, "_scan_piece", changed)
+    with pytest.raises(FileChangedError):
+        deep.scan_description(desc, lambda fn, items: [fn(x) for x in items])
+    scans, _ = deep.scan_here(desc)
+    assert "changed while it was read" in scans["mx"].unreadable[0]
