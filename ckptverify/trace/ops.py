@@ -252,9 +252,6 @@ class StepTracer:
         self.step, w = step, self.window
         self.ops_on = (w is not None and (w.steps is None or step in w.steps)
                        and (w.ranks is None or self.rank in w.ranks))
-        if self.ops_on:
-            # NVTX range per op so `nsys` maps kernels to sites (docs/locate.md).
-            self._nvtx = kernel.nvtx_enabled()
         self._new_step()
         self._generation += 1
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -270,6 +267,8 @@ class StepTracer:
         self._hooks = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
         self.active = True
         if self.ops_on:
+            # NVTX range per op so `nsys` maps kernels to sites (docs/locate.md).
+            self._nvtx = kernel.nvtx_enabled()
             self._mode = _mode_class()(self)
             self._mode.__enter__()
         else:
@@ -319,10 +318,8 @@ class StepTracer:
         comm = is_comm(func)
         if func.namespace == "_c10d_functional" and _name(func) == "wait_tensor" and self._pending:
             out = func(*args, **kwargs)
-            self._waited(args[0] if args else kwargs.get("tensor"))
-            if self.ops_on:
-                return self._record(func, args, kwargs, already=out)
-            return out
+            self._waited(args[0] if args else kwargs["tensor"])
+            return self._record(func, args, kwargs, already=out) if self.ops_on else out
         if not comm and not self.ops_on:
             return func(*args, **kwargs)
         info = comm_info(func, args, kwargs, self._counter) if comm else None
@@ -404,8 +401,6 @@ class StepTracer:
 
     def _waited(self, tensor: Any) -> None:
         """A functional collective's output was waited on: take it now."""
-        if tensor is None:
-            return
         keep = []
         for entry in self._pending:
             if any(t is tensor for t in entry[0]):
@@ -468,8 +463,9 @@ class StepTracer:
             outs: list[Any] = [None] * len(results)  # in flight: taken at completion
             for t in (*_leaves(args), *results):
                 digest.forget(t)
-        elif _allocates(name) or (size_before is not None and any(t.numel() > size_before for t in results)):
-            outs = [None] * len(results)
+        elif (name == "empty" or name.startswith(("empty_", "new_empty", "_empty"))
+              or (size_before is not None and any(t.numel() > size_before for t in results))):
+            outs = [None] * len(results)  # memory no op wrote: an allocation, or what a resize added
             for t in results:
                 digest.uninitialised(t)
         elif name in ("copy_", "_to_copy", "to") and argument(func, args, kwargs, "non_blocking"):
@@ -503,11 +499,6 @@ class StepTracer:
             "a": arguments or None,
         })
         return out
-
-
-def _allocates(name: str) -> bool:
-    """Whether an op of this name returns memory it does not write (an ``empty*`` allocation)."""
-    return name == "empty" or name.startswith(("empty_", "new_empty", "_empty"))
 
 
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -621,9 +612,6 @@ def _capture(path: str | None, op: str, args: Any, kwargs: Any) -> None:
     write_atomic(path, data.getvalue(), prefix=".ckptverify-capture-", durable=False)
 
 
-#: The ``TorchDispatchMode`` subclass, made on first use (importing this module must not import torch).
-_MODE_CLASS: Any = None
-
 #: The tracer the collectives' kernels hand calls to outside an op window; one recording loop per process.
 _ACTIVE: StepTracer | None = None
 _LIBRARY: Any = None
@@ -688,21 +676,20 @@ def _kernel(func: Any) -> Callable[..., Any]:
     return kernel
 
 
+@functools.cache
 def _mode_class() -> Any:
-    global _MODE_CLASS
-    if _MODE_CLASS is None:
-        from torch.utils._python_dispatch import TorchDispatchMode
+    """The ``TorchDispatchMode`` subclass, made on first use (importing this module must not import torch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-        class TraceMode(TorchDispatchMode):
-            def __init__(self, tracer: StepTracer) -> None:
-                super().__init__()
-                self.tracer = tracer
+    class TraceMode(TorchDispatchMode):
+        def __init__(self, tracer: StepTracer) -> None:
+            super().__init__()
+            self.tracer = tracer
 
-            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                return self.tracer.dispatch(func, tuple(args), kwargs or {})
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return self.tracer.dispatch(func, tuple(args), kwargs or {})
 
-        _MODE_CLASS = TraceMode
-    return _MODE_CLASS
+    return TraceMode
 
 
 def write_op_log(store: str | os.PathLike[str], step: int, records: list[dict[str, Any]], dropped: int,
