@@ -179,25 +179,9 @@ class _Aligned:
         return differs, (va, pa, vb, pb)
 
 
-_ALWAYS_IGNORED = ("run", "detail")
-
-
-def _check_headers(ta: Trace, tb: Trace, diffs: list[str], force: bool) -> None:
-    """Refuse differing headers unless ``force``, and differing digest encodings always (every tensor site would
-    differ, which says nothing about the runs)."""
-    if "digest_encoding" in diffs:
-        ea, eb = ta.header.digest_encoding, tb.header.digest_encoding
-        raise UsageError(f"the traces digest tensors differently ({ta.path}: digest_encoding {ea!r}, "
-                         f"{DIGEST_ENCODINGS[ea]}; {tb.path}: digest_encoding {eb!r}, {DIGEST_ENCODINGS[eb]}), so "
-                         "every tensor site would differ and no step can be compared; record both on the same kind "
-                         "of device")
-    if diffs and not force:
-        raise TraceHeaderMismatchError(diffs, ta, tb)
-
-
 def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: bool, ignore_sites: tuple[str, ...],
                   every_step: bool) -> RankComparison:
-    """Compare one rank's traces whose headers :func:`_check_headers` accepted; past the first divergent block only
+    """Compare one rank's traces whose headers :func:`rank_comparisons` accepted; past the first divergent block only
     with ``every_step``."""
     rank = ta.header.rank if ta.header.rank is not None else 0
     sa, sb = ta.step_array, tb.step_array
@@ -315,7 +299,8 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
         # The parent (``blocks.0.ln1`` -> ``blocks.0``; a top-level module's is the root) changed its child's input.
         head, dot, _ = origin.rpartition(".")
         fed, origin = origin, head if dot and origin != ROOT_MODULE else ROOT_MODULE
-        origin_type = _module_type(aligned, origin)
+        origin_type = next((aligned.site(n).info or None for n in aligned.names
+                            if n.startswith("module.") and module_of(n) == origin), None)
     return FirstDivergence(
         **base,
         origin=origin,
@@ -325,13 +310,6 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
         receivers=tuple(aligned.names[k] for k in differing_modules[1:]),
         inputs_verified=inputs_verified,
     )
-
-
-def _module_type(aligned: _Aligned, module: str) -> str | None:
-    for name in aligned.names:
-        if name.startswith("module.") and module_of(name) == module:
-            return aligned.site(name).info or None
-    return None
 
 
 def module_of(site: str) -> str:
@@ -429,17 +407,16 @@ def comparison_findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
                     f"compared: {shown}", location=Location(rank=r),
                     actual={"rank": r, "only_in": tag, "sites": list(names)},
                 ))
-    divergent = [c for c in comparisons if c.first is not None]
-    if not divergent:
-        return out
-    firsts = [c.first for c in divergent if c.first is not None]
-    first_step = min(d.step for d in firsts)
+    firsts = [c.first for c in comparisons if c.first is not None]
     job = job_divergence(firsts)
-    assert job is not None
+    if job is None:
+        return out
+    first_step = job.step  # the earliest divergent step
     receiving = set(job.receiver_ranks or ())
-    for comp in divergent:
+    for comp in comparisons:
         d = comp.first
-        assert d is not None
+        if d is None:
+            continue
         later = "" if d.step == first_step else f" (after the first divergence of the job at step {first_step})"
         if d.rank in receiving:
             later += " (a receiver: only values a collective wrote differ on this rank)"
@@ -532,7 +509,15 @@ def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
             for r in sorted(set(stores_a) ^ set(stores_b))
         ]
     for ta, tb in pairs:
-        _check_headers(ta, tb, ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore)), force)
+        diffs = ta.header.differences(tb.header, ignore=("run", "detail", *ignore))
+        if "digest_encoding" in diffs:  # refused even with force: every tensor site would differ
+            ea, eb = ta.header.digest_encoding, tb.header.digest_encoding
+            raise UsageError(f"the traces digest tensors differently ({ta.path}: digest_encoding {ea!r}, "
+                             f"{DIGEST_ENCODINGS[ea]}; {tb.path}: digest_encoding {eb!r}, {DIGEST_ENCODINGS[eb]}), "
+                             "so every tensor site would differ and no step can be compared; record both on the same "
+                             "kind of device")
+        if diffs and not force:
+            raise TraceHeaderMismatchError(diffs, ta, tb)
     sites = tuple(ignore_sites)
     comps = [_compare_pair(ta, tb, steps=steps, force=force, ignore_sites=sites, every_step=every_step)
              for ta, tb in pairs]
