@@ -396,8 +396,6 @@ class TraceWriter:
                 self._pending = threading.Thread(target=self._run, args=job, name="ckptverify-trace-writer",
                                                  daemon=False)
                 self._pending.start()
-        if wait:
-            self._join()
 
     def _join(self) -> None:
         if self._pending is not None:
@@ -513,13 +511,11 @@ def _json_int(value: Any, what: str, where: Path, hi: int, lo: int = 0) -> int:
         raise CkptVerifyError(f"{where}: {exc}") from None
 
 
-_SITE_TEXT = ("name", "kind", "category", "encoding")
-
-
 def _site(raw: Any, col: int, store: Path) -> tuple[Site, int]:
     """One entry of the site table and the row it was first recorded at."""
     where = store / "sites"
-    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) for k in _SITE_TEXT):
+    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str)
+                                            for k in ("name", "kind", "category", "encoding")):
         raise CkptVerifyError(f"{where}: site {col} lacks its name, kind, category or encoding")
     if not isinstance(raw.get("info"), str) or not isinstance(raw.get("group"), str):
         raise CkptVerifyError(f"{where}: site {col} lacks its note or group, or one is not text")
