@@ -36,7 +36,6 @@ OWN_KINDS = frozenset({"rng", "hparam", "batch", "data", "buffer", "scheduler", 
                        "module_in", "module_out", "module_grad_in", "module_recompute"})
 #: Metrics holding the rank's own value (a gradient norm, say, is computed after the reduction).
 OWN_METRICS = frozenset({"metric.loss"})
-_MODULE_LEVELS = ("module", "op")
 #: Receivers named in a message (all are in the finding's ``actual``).
 _SHOWN = 5
 
@@ -112,12 +111,9 @@ def run_stores(run_dir: str | os.PathLike[str]) -> dict[int, Path]:
     root = Path(run_dir)
     if not root.is_dir():
         raise CkptVerifyError(f"no trace directory at {root}")
-    out: dict[int, Path] = {}
-    for child in root.iterdir():
-        name = child.name
-        if name.startswith("rank") and name[4:].isdigit() and is_store(child):
-            out[int(name[4:])] = child
-    return dict(sorted(out.items()))
+    found = {int(c.name[4:]): c for c in root.iterdir()
+             if c.name.startswith("rank") and c.name[4:].isdigit() and is_store(c)}
+    return dict(sorted(found.items()))
 
 
 def _step_mask(steps: np.ndarray, wanted: Iterable[int] | None) -> np.ndarray:
@@ -281,7 +277,7 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
         if member is not None:
             base["site"], base["via"] = member, name
     module_cols = [k for k, kind in enumerate(aligned.kinds) if kind in _MODULE_KINDS]
-    if ta.header.level not in _MODULE_LEVELS and tb.header.level not in _MODULE_LEVELS and not module_cols:
+    if ta.header.level not in ("module", "op") and tb.header.level not in ("module", "op") and not module_cols:
         return FirstDivergence(**base)
     differing_modules = [k for k in module_cols if row[k]]
     batch_cols = [k for k, kind in enumerate(aligned.kinds) if kind == "batch"]
