@@ -155,19 +155,6 @@ class _Digests:
             return "dev", len(self.lanes) - 1
 
 
-def _work_of(result: Any) -> Any:
-    """The ``Work`` a c10d op returned (alone, or after its tensors), or ``None``."""
-    import torch
-
-    for x in result if isinstance(result, tuple | list) else (result,):
-        if isinstance(x, torch.ScriptObject):
-            try:
-                return torch._C._distributed_c10d.Work.unbox(x)
-            except (RuntimeError, TypeError, AttributeError):
-                return None
-    return None
-
-
 def _after_read(tensors: list[Any]) -> tuple[Any, Any] | None:
     """``(device, event)`` after the fingerprint kernels just enqueued for ``tensors`` (``None`` on the host). The
     tensors are recorded on that stream, so memory their owner frees meanwhile is not reused before the read."""
@@ -352,12 +339,14 @@ class StepTracer:
                        async_op: Any) -> bool:
         """Take the c10d op's outputs when its work completes (a future callback holding weak references only);
         ``False`` when the work has no future, so the caller keeps them until the step ends."""
-        work = _work_of(result)
-        if work is None:
-            return False
-        try:
-            future = work.get_future()
-        except RuntimeError:  # "Work::getFuture not implemented" (gloo's send and recv)
+        import torch
+
+        # The ``Work`` the op returned (alone, or after its tensors).
+        boxed = [x for x in (result if isinstance(result, tuple | list) else (result,))
+                 if isinstance(x, torch.ScriptObject)]
+        try:  # no Work, or one without a future ("Work::getFuture not implemented": gloo's send and recv)
+            future = torch._C._distributed_c10d.Work.unbox(boxed[0]).get_future()
+        except (IndexError, RuntimeError, TypeError, AttributeError):
             return False
         outs, sites, note, index, places = entry
         refs = [weakref.ref(t) for t in outs]
@@ -654,8 +643,7 @@ def _comm_kernels(use: bool) -> None:
             if not (is_comm(func) or name == "wait_tensor"):
                 continue
             for key in _KERNEL_KEYS:
-                if torch._C._dispatch_has_kernel_for_dispatch_key(full if overload == "default"
-                                                                  else f"{full}.{overload}", key):
+                if torch._C._dispatch_has_kernel_for_dispatch_key(f"{ns}::{qualified}", key):
                     continue  # someone's kernel is there: leave it (the op is then seen at level op only)
                 libs[ns].impl(qualified, _kernel(func), key)
     _LIBRARY = list(libs.values())
