@@ -261,8 +261,7 @@ def named_member(ta: Trace, tb: Trace, step: int, site: Any) -> tuple[str | None
 def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> FirstDivergence:
     """The first divergence at ``step`` (``row``: which sites differ), with the module classification."""
     ta, tb = aligned.ta, aligned.tb
-    j = int(np.argmax(row))
-    name = aligned.names[j]
+    name = aligned.names[int(np.argmax(row))]
     site = aligned.site(name)
     own = next((aligned.names[k] for k in np.flatnonzero(row)
                 if aligned.kinds[k] in OWN_KINDS or aligned.names[k] in OWN_METRICS), None)
@@ -287,8 +286,7 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
     if not differing_modules or not batch_equal or params_state is False:
         receivers = tuple(aligned.names[k] for k in differing_modules)
         return FirstDivergence(**base, receivers=receivers, inputs_verified=inputs_verified)
-    k0 = differing_modules[0]
-    origin_name = aligned.names[k0]
+    origin_name = aligned.names[differing_modules[0]]
     origin_site = aligned.site(origin_name)
     origin, fed, origin_type = module_of(origin_name), None, origin_site.info or None
     if origin_site.kind == "module_in":
@@ -389,18 +387,16 @@ def comparison_findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
                 ))
         if comp.ignored_sites:
             names = comp.ignored_sites
-            shown = _listed(names)
             # Comparing nothing proves nothing: all sites ignored is an error.
             make = error if comp.compared_sites == 0 else info
             out.append(make("trace-ignored", f"rank {r}: {len(names)} sites matching --ignore were left out of the "
-                            f"comparison{' (nothing was left to compare)' if make is error else ''}: {shown}",
+                            f"comparison{' (nothing was left to compare)' if make is error else ''}: {_listed(names)}",
                             location=Location(rank=r), actual={"rank": r, "sites": list(names)}))
         for tag, names in (("A", comp.sites_only_a), ("B", comp.sites_only_b)):
             if names:
-                shown = _listed(names)
                 out.append(warning(
                     "trace-sites", f"rank {r}: {len(names)} sites are recorded only in trace {tag} and were not "
-                    f"compared: {shown}", location=Location(rank=r),
+                    f"compared: {_listed(names)}", location=Location(rank=r),
                     actual={"rank": r, "only_in": tag, "sites": list(names)},
                 ))
     firsts = [c.first for c in comparisons if c.first is not None]
