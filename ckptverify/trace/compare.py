@@ -161,10 +161,9 @@ class _Aligned:
         # Read each run of consecutive rows on its own: reading across gaps would cost the gap.
         cuts = np.flatnonzero(np.diff(rows) != 1) + 1
         parts = [trace.rows(int(run[0]), int(run[-1]) + 1) for run in np.split(rows, cuts)]
-        values = np.concatenate([v for v, _ in parts], axis=0)
-        present = np.concatenate([p for _, p in parts], axis=0)
-        values = np.concatenate([values, np.zeros((values.shape[0], 1, 2), np.uint64)], axis=1)
-        present = np.concatenate([present, np.zeros((present.shape[0], 1), bool)], axis=1)
+        # One column more, absent: where a site the trace lacks points.
+        values = np.pad(np.concatenate([v for v, _ in parts]), ((0, 0), (0, 1), (0, 0)))
+        present = np.pad(np.concatenate([p for _, p in parts]), ((0, 0), (0, 1)))
         return values[:, cols], present[:, cols]
 
     def diff(self, rows_a: np.ndarray, rows_b: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
@@ -203,8 +202,10 @@ def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: b
         sites_only_b = tuple(n for n in names_b if not ta.has_site(n))
     else:
         names = merged_order(names_a, names_b)
-    # A per-tensor cell only one trace records is no difference: the category cell stands for it.
-    names = [n for n in names if (ta.has_site(n) and tb.has_site(n)) or not _member_of_finer(n, ta, tb)]
+    # A tensor's own cell only the trace of detail ``tensor`` records is no difference: the category cell stands for it.
+    finer = {s.name for mine, other in ((ta, tb), (tb, ta)) if other.header.detail == "category"
+             for s in mine.sites if s.group}
+    names = [n for n in names if (ta.has_site(n) and tb.has_site(n)) or n not in finer]
     aligned = _Aligned(ta, tb, names)
     rows_a = np.searchsorted(sa, common)
     rows_b = np.searchsorted(sb, common)
@@ -229,14 +230,6 @@ def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: b
                           differing=tuple(n for n, d in zip(names, ever, strict=True) if d),
                           first_differing=tuple(n for n, d in zip(names, at_first, strict=True) if d),
                           traces=(ta, tb))
-
-
-def _member_of_finer(name: str, ta: Trace, tb: Trace) -> bool:
-    """Whether ``name`` is a tensor's own cell that only the trace of detail ``tensor`` records."""
-    for mine, other in ((ta, tb), (tb, ta)):
-        if mine.has_site(name) and mine.site(name).group and other.header.detail == "category":
-            return True
-    return False
 
 
 def named_member(ta: Trace, tb: Trace, step: int, site: Any) -> tuple[str | None, str]:
