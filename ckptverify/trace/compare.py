@@ -121,8 +121,7 @@ def _step_mask(steps: np.ndarray, wanted: Iterable[int] | None) -> np.ndarray:
         return np.ones(steps.shape, dtype=bool)
     if isinstance(wanted, range):
         return np.fromiter((int(s) in wanted for s in steps), dtype=bool, count=steps.shape[0])
-    chosen = np.asarray(sorted({int(s) for s in wanted}), dtype=np.int64)
-    return np.isin(steps, chosen)
+    return np.isin(steps, np.asarray([int(s) for s in wanted], dtype=np.int64))
 
 
 def merged_order(a: Sequence[Any], b: Sequence[Any]) -> list[Any]:
@@ -317,8 +316,6 @@ def _previous_params(aligned: _Aligned, step: int) -> bool | None:
     if row_b is None:
         return None
     cols = [k for k, kind in enumerate(aligned.kinds) if kind == "param"]
-    if not cols:
-        return None
     differs, (_, pa, _, pb) = aligned.diff(np.asarray([row_a - 1]), np.asarray([row_b]))
     if not (pa[0, cols].any() or pb[0, cols].any()):
         return None
