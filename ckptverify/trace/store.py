@@ -349,11 +349,9 @@ class TraceWriter:
                 col = self._add_site(cell, after=prev)
             else:
                 known = self._sites[col]
-                if known["kind"] != cell.kind:
-                    raise UsageError(f"site {cell.site!r} changed kind from {known['kind']} to {cell.kind}")
-                if known["encoding"] != cell.encoding:
-                    raise UsageError(f"site {cell.site!r} changed encoding from {known['encoding']} to "
-                                     f"{cell.encoding}")
+                for what, value in (("kind", cell.kind), ("encoding", cell.encoding)):
+                    if known[what] != value:
+                        raise UsageError(f"site {cell.site!r} changed {what} from {known[what]} to {value}")
             if col in seen:
                 raise UsageError(f"site {cell.site!r} recorded twice at step {step}")
             seen.add(col)
@@ -362,10 +360,9 @@ class TraceWriter:
         return columns
 
     def _add_site(self, cell: Cell, after: int | None) -> int:
-        if cell.kind not in KINDS:
-            raise UsageError(f"site {cell.site!r}: unknown kind {cell.kind!r}")
-        if cell.encoding not in ENCODINGS:
-            raise UsageError(f"site {cell.site!r}: unknown encoding {cell.encoding!r}")
+        for what, value, known in (("kind", cell.kind, KINDS), ("encoding", cell.encoding, ENCODINGS)):
+            if value not in known:
+                raise UsageError(f"site {cell.site!r}: unknown {what} {value!r}")
         col = len(self._sites)
         self._sites.append({"name": cell.site, "kind": cell.kind, "category": KINDS[cell.kind],
                             "encoding": cell.encoding, "order": 0, "first_row": self.rows, "info": cell.info,
