@@ -300,8 +300,7 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
 
 def module_of(site: str) -> str:
     """The module name in a module site name: ``module.blocks.0.attn.fwd#1`` -> ``blocks.0.attn``."""
-    body = site[len("module."):] if site.startswith("module.") else site
-    return body.rsplit(".", 1)[0]
+    return site.removeprefix("module.").rsplit(".", 1)[0]
 
 
 def _previous_params(aligned: _Aligned, step: int) -> bool | None:

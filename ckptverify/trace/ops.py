@@ -512,8 +512,7 @@ def _arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list
         if isinstance(value, torch.Tensor):
             continue
         parts: list[str] = []
-        small = _encode(value, parts)
-        text = _text(value) if small else None
+        text = _text(value) if _encode(value, parts) else None  # small and plain: shown
         out.append([a.name[:MAX_ARGUMENT_NAME], xxhash.xxh3_128_hexdigest("\x1f".join(parts).encode()), text])
     return out
 
