@@ -159,14 +159,13 @@ class TraceHeader:
         for name, value in values.items():
             if not isinstance(value, _HEADER_TYPES[name]) or isinstance(value, bool):
                 raise CkptVerifyError(f"damaged trace header: {name} is {type(value).__name__}")
-        try:
-            header = cls(**values)
-        except UsageError as exc:  # a level or detail this tool does not know
-            raise CkptVerifyError(f"damaged trace header: {exc}") from None
         missing = sorted(known - values.keys())
         if missing:
             raise CkptVerifyError(f"damaged trace header: no {', '.join(missing)}")
-        return header
+        try:
+            return cls(**values)
+        except UsageError as exc:  # a level or detail this tool does not know
+            raise CkptVerifyError(f"damaged trace header: {exc}") from None
 
     def differences(self, other: TraceHeader, ignore: Iterable[str] = ("run",)) -> list[str]:
         """Names of the fields that differ, ``ignore`` aside; ``digest_encoding`` counts only when both are known."""
