@@ -562,10 +562,8 @@ def recompute_findings(trace: TraceLike, *, steps: Iterable[int] | None = None) 
     """``recompute-mismatch`` errors of one run: per rank and module, the first step where a forward recomputed by
     activation checkpointing (``recompute#k``) differs from the forward it repeats (``fwd#k``), so backward used
     activations the forward never produced. ``steps`` narrows the steps."""
-    if isinstance(trace, Trace) or is_store(trace):
-        traces = [_as_trace(trace)]
-    else:
-        traces = [open_trace(p) for p in run_stores(trace).values()]
+    single = isinstance(trace, Trace) or is_store(trace)
+    traces = [_as_trace(trace)] if single else [open_trace(p) for p in run_stores(trace).values()]
     wanted = None if steps is None else {int(s) for s in steps}
     out: list[Finding] = []
     for t in traces:
