@@ -538,11 +538,8 @@ def first_divergence(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
 def sites_at(comparisons: Sequence[RankComparison], step: int) -> dict[int, list[str]]:
     """Per rank compared in both runs, the sites that differ at ``step``, which is no later than any rank's first
     divergence (the job's first divergent step): a rank diverging later has none."""
-    out: dict[int, list[str]] = {}
-    for c in comparisons:
-        if c.missing is None:
-            out[c.rank] = list(c.first_differing) if c.first is not None and c.first.step == step else []
-    return out
+    return {c.rank: list(c.first_differing) if c.first is not None and c.first.step == step else []
+            for c in comparisons if c.missing is None}
 
 
 def job_divergence(found: Sequence[FirstDivergence]) -> FirstDivergence | None:

@@ -656,9 +656,7 @@ def _kernel(func: Any) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with below():
             tracer = _ACTIVE
-            if tracer is None:
-                return func(*args, **kwargs)
-            return tracer.dispatch(func, args, kwargs)
+            return func(*args, **kwargs) if tracer is None else tracer.dispatch(func, args, kwargs)
 
     return kernel
 
