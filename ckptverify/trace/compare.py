@@ -36,7 +36,6 @@ OWN_KINDS = frozenset({"rng", "hparam", "batch", "data", "buffer", "scheduler", 
                        "module_in", "module_out", "module_grad_in", "module_recompute"})
 #: Metrics holding the rank's own value (a gradient norm, say, is computed after the reduction).
 OWN_METRICS = frozenset({"metric.loss"})
-_MODULE_LEVELS = ("module", "op")
 #: Receivers named in a message (all are in the finding's ``actual``).
 _SHOWN = 5
 
@@ -112,12 +111,9 @@ def run_stores(run_dir: str | os.PathLike[str]) -> dict[int, Path]:
     root = Path(run_dir)
     if not root.is_dir():
         raise CkptVerifyError(f"no trace directory at {root}")
-    out: dict[int, Path] = {}
-    for child in root.iterdir():
-        name = child.name
-        if name.startswith("rank") and name[4:].isdigit() and is_store(child):
-            out[int(name[4:])] = child
-    return dict(sorted(out.items()))
+    found = {int(c.name[4:]): c for c in root.iterdir()
+             if c.name.startswith("rank") and c.name[4:].isdigit() and is_store(c)}
+    return dict(sorted(found.items()))
 
 
 def _step_mask(steps: np.ndarray, wanted: Iterable[int] | None) -> np.ndarray:
@@ -125,8 +121,7 @@ def _step_mask(steps: np.ndarray, wanted: Iterable[int] | None) -> np.ndarray:
         return np.ones(steps.shape, dtype=bool)
     if isinstance(wanted, range):
         return np.fromiter((int(s) in wanted for s in steps), dtype=bool, count=steps.shape[0])
-    chosen = np.asarray(sorted({int(s) for s in wanted}), dtype=np.int64)
-    return np.isin(steps, chosen)
+    return np.isin(steps, np.asarray([int(s) for s in wanted], dtype=np.int64))
 
 
 def merged_order(a: Sequence[Any], b: Sequence[Any]) -> list[Any]:
@@ -165,10 +160,9 @@ class _Aligned:
         # Read each run of consecutive rows on its own: reading across gaps would cost the gap.
         cuts = np.flatnonzero(np.diff(rows) != 1) + 1
         parts = [trace.rows(int(run[0]), int(run[-1]) + 1) for run in np.split(rows, cuts)]
-        values = np.concatenate([v for v, _ in parts], axis=0)
-        present = np.concatenate([p for _, p in parts], axis=0)
-        values = np.concatenate([values, np.zeros((values.shape[0], 1, 2), np.uint64)], axis=1)
-        present = np.concatenate([present, np.zeros((present.shape[0], 1), bool)], axis=1)
+        # One column more, absent: where a site the trace lacks points.
+        values = np.pad(np.concatenate([v for v, _ in parts]), ((0, 0), (0, 1), (0, 0)))
+        present = np.pad(np.concatenate([p for _, p in parts]), ((0, 0), (0, 1)))
         return values[:, cols], present[:, cols]
 
     def diff(self, rows_a: np.ndarray, rows_b: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
@@ -179,25 +173,9 @@ class _Aligned:
         return differs, (va, pa, vb, pb)
 
 
-_ALWAYS_IGNORED = ("run", "detail")
-
-
-def _check_headers(ta: Trace, tb: Trace, diffs: list[str], force: bool) -> None:
-    """Refuse differing headers unless ``force``, and differing digest encodings always (every tensor site would
-    differ, which says nothing about the runs)."""
-    if "digest_encoding" in diffs:
-        ea, eb = ta.header.digest_encoding, tb.header.digest_encoding
-        raise UsageError(f"the traces digest tensors differently ({ta.path}: digest_encoding {ea!r}, "
-                         f"{DIGEST_ENCODINGS[ea]}; {tb.path}: digest_encoding {eb!r}, {DIGEST_ENCODINGS[eb]}), so "
-                         "every tensor site would differ and no step can be compared; record both on the same kind "
-                         "of device")
-    if diffs and not force:
-        raise TraceHeaderMismatchError(diffs, ta, tb)
-
-
 def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: bool, ignore_sites: tuple[str, ...],
                   every_step: bool) -> RankComparison:
-    """Compare one rank's traces whose headers :func:`_check_headers` accepted; past the first divergent block only
+    """Compare one rank's traces whose headers :func:`rank_comparisons` accepted; past the first divergent block only
     with ``every_step``."""
     rank = ta.header.rank if ta.header.rank is not None else 0
     sa, sb = ta.step_array, tb.step_array
@@ -223,8 +201,10 @@ def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: b
         sites_only_b = tuple(n for n in names_b if not ta.has_site(n))
     else:
         names = merged_order(names_a, names_b)
-    # A per-tensor cell only one trace records is no difference: the category cell stands for it.
-    names = [n for n in names if (ta.has_site(n) and tb.has_site(n)) or not _member_of_finer(n, ta, tb)]
+    # A tensor's own cell only the trace of detail ``tensor`` records is no difference: the category cell stands for it.
+    finer = {s.name for mine, other in ((ta, tb), (tb, ta)) if other.header.detail == "category"
+             for s in mine.sites if s.group}
+    names = [n for n in names if (ta.has_site(n) and tb.has_site(n)) or n not in finer]
     aligned = _Aligned(ta, tb, names)
     rows_a = np.searchsorted(sa, common)
     rows_b = np.searchsorted(sb, common)
@@ -251,14 +231,6 @@ def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: b
                           traces=(ta, tb))
 
 
-def _member_of_finer(name: str, ta: Trace, tb: Trace) -> bool:
-    """Whether ``name`` is a tensor's own cell that only the trace of detail ``tensor`` records."""
-    for mine, other in ((ta, tb), (tb, ta)):
-        if mine.has_site(name) and mine.site(name).group and other.header.detail == "category":
-            return True
-    return False
-
-
 def named_member(ta: Trace, tb: Trace, step: int, site: Any) -> tuple[str | None, str]:
     """The one tensor of category cell ``site`` that explains its difference at ``step``, and what is known:
     ``"one"``, ``"several"`` or ``"unnamed"``."""
@@ -281,8 +253,7 @@ def named_member(ta: Trace, tb: Trace, step: int, site: Any) -> tuple[str | None
 def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> FirstDivergence:
     """The first divergence at ``step`` (``row``: which sites differ), with the module classification."""
     ta, tb = aligned.ta, aligned.tb
-    j = int(np.argmax(row))
-    name = aligned.names[j]
+    name = aligned.names[int(np.argmax(row))]
     site = aligned.site(name)
     own = next((aligned.names[k] for k in np.flatnonzero(row)
                 if aligned.kinds[k] in OWN_KINDS or aligned.names[k] in OWN_METRICS), None)
@@ -297,7 +268,7 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
         if member is not None:
             base["site"], base["via"] = member, name
     module_cols = [k for k, kind in enumerate(aligned.kinds) if kind in _MODULE_KINDS]
-    if ta.header.level not in _MODULE_LEVELS and tb.header.level not in _MODULE_LEVELS and not module_cols:
+    if ta.header.level not in ("module", "op") and tb.header.level not in ("module", "op") and not module_cols:
         return FirstDivergence(**base)
     differing_modules = [k for k in module_cols if row[k]]
     batch_cols = [k for k, kind in enumerate(aligned.kinds) if kind == "batch"]
@@ -307,15 +278,15 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
     if not differing_modules or not batch_equal or params_state is False:
         receivers = tuple(aligned.names[k] for k in differing_modules)
         return FirstDivergence(**base, receivers=receivers, inputs_verified=inputs_verified)
-    k0 = differing_modules[0]
-    origin_name = aligned.names[k0]
+    origin_name = aligned.names[differing_modules[0]]
     origin_site = aligned.site(origin_name)
     origin, fed, origin_type = module_of(origin_name), None, origin_site.info or None
     if origin_site.kind == "module_in":
         # The parent (``blocks.0.ln1`` -> ``blocks.0``; a top-level module's is the root) changed its child's input.
         head, dot, _ = origin.rpartition(".")
         fed, origin = origin, head if dot and origin != ROOT_MODULE else ROOT_MODULE
-        origin_type = _module_type(aligned, origin)
+        origin_type = next((aligned.site(n).info or None for n in aligned.names
+                            if n.startswith("module.") and module_of(n) == origin), None)
     return FirstDivergence(
         **base,
         origin=origin,
@@ -327,17 +298,9 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
     )
 
 
-def _module_type(aligned: _Aligned, module: str) -> str | None:
-    for name in aligned.names:
-        if name.startswith("module.") and module_of(name) == module:
-            return aligned.site(name).info or None
-    return None
-
-
 def module_of(site: str) -> str:
     """The module name in a module site name: ``module.blocks.0.attn.fwd#1`` -> ``blocks.0.attn``."""
-    body = site[len("module."):] if site.startswith("module.") else site
-    return body.rsplit(".", 1)[0]
+    return site.removeprefix("module.").rsplit(".", 1)[0]
 
 
 def _previous_params(aligned: _Aligned, step: int) -> bool | None:
@@ -352,8 +315,6 @@ def _previous_params(aligned: _Aligned, step: int) -> bool | None:
     if row_b is None:
         return None
     cols = [k for k, kind in enumerate(aligned.kinds) if kind == "param"]
-    if not cols:
-        return None
     differs, (_, pa, _, pb) = aligned.diff(np.asarray([row_a - 1]), np.asarray([row_b]))
     if not (pa[0, cols].any() or pb[0, cols].any()):
         return None
@@ -415,31 +376,28 @@ def comparison_findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
                 ))
         if comp.ignored_sites:
             names = comp.ignored_sites
-            shown = _listed(names)
             # Comparing nothing proves nothing: all sites ignored is an error.
             make = error if comp.compared_sites == 0 else info
             out.append(make("trace-ignored", f"rank {r}: {len(names)} sites matching --ignore were left out of the "
-                            f"comparison{' (nothing was left to compare)' if make is error else ''}: {shown}",
+                            f"comparison{' (nothing was left to compare)' if make is error else ''}: {_listed(names)}",
                             location=Location(rank=r), actual={"rank": r, "sites": list(names)}))
         for tag, names in (("A", comp.sites_only_a), ("B", comp.sites_only_b)):
             if names:
-                shown = _listed(names)
                 out.append(warning(
                     "trace-sites", f"rank {r}: {len(names)} sites are recorded only in trace {tag} and were not "
-                    f"compared: {shown}", location=Location(rank=r),
+                    f"compared: {_listed(names)}", location=Location(rank=r),
                     actual={"rank": r, "only_in": tag, "sites": list(names)},
                 ))
-    divergent = [c for c in comparisons if c.first is not None]
-    if not divergent:
-        return out
-    firsts = [c.first for c in divergent if c.first is not None]
-    first_step = min(d.step for d in firsts)
+    firsts = [c.first for c in comparisons if c.first is not None]
     job = job_divergence(firsts)
-    assert job is not None
+    if job is None:
+        return out
+    first_step = job.step  # the earliest divergent step
     receiving = set(job.receiver_ranks or ())
-    for comp in divergent:
+    for comp in comparisons:
         d = comp.first
-        assert d is not None
+        if d is None:
+            continue
         later = "" if d.step == first_step else f" (after the first divergence of the job at step {first_step})"
         if d.rank in receiving:
             later += " (a receiver: only values a collective wrote differ on this rank)"
@@ -532,7 +490,15 @@ def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
             for r in sorted(set(stores_a) ^ set(stores_b))
         ]
     for ta, tb in pairs:
-        _check_headers(ta, tb, ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore)), force)
+        diffs = ta.header.differences(tb.header, ignore=("run", "detail", *ignore))
+        if "digest_encoding" in diffs:  # refused even with force: every tensor site would differ
+            ea, eb = ta.header.digest_encoding, tb.header.digest_encoding
+            raise UsageError(f"the traces digest tensors differently ({ta.path}: digest_encoding {ea!r}, "
+                             f"{DIGEST_ENCODINGS[ea]}; {tb.path}: digest_encoding {eb!r}, {DIGEST_ENCODINGS[eb]}), "
+                             "so every tensor site would differ and no step can be compared; record both on the same "
+                             "kind of device")
+        if diffs and not force:
+            raise TraceHeaderMismatchError(diffs, ta, tb)
     sites = tuple(ignore_sites)
     comps = [_compare_pair(ta, tb, steps=steps, force=force, ignore_sites=sites, every_step=every_step)
              for ta, tb in pairs]
@@ -572,11 +538,8 @@ def first_divergence(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
 def sites_at(comparisons: Sequence[RankComparison], step: int) -> dict[int, list[str]]:
     """Per rank compared in both runs, the sites that differ at ``step``, which is no later than any rank's first
     divergence (the job's first divergent step): a rank diverging later has none."""
-    out: dict[int, list[str]] = {}
-    for c in comparisons:
-        if c.missing is None:
-            out[c.rank] = list(c.first_differing) if c.first is not None and c.first.step == step else []
-    return out
+    return {c.rank: list(c.first_differing) if c.first is not None and c.first.step == step else []
+            for c in comparisons if c.missing is None}
 
 
 def job_divergence(found: Sequence[FirstDivergence]) -> FirstDivergence | None:
@@ -596,10 +559,8 @@ def recompute_findings(trace: TraceLike, *, steps: Iterable[int] | None = None) 
     """``recompute-mismatch`` errors of one run: per rank and module, the first step where a forward recomputed by
     activation checkpointing (``recompute#k``) differs from the forward it repeats (``fwd#k``), so backward used
     activations the forward never produced. ``steps`` narrows the steps."""
-    if isinstance(trace, Trace) or is_store(trace):
-        traces = [_as_trace(trace)]
-    else:
-        traces = [open_trace(p) for p in run_stores(trace).values()]
+    single = isinstance(trace, Trace) or is_store(trace)
+    traces = [_as_trace(trace)] if single else [open_trace(p) for p in run_stores(trace).values()]
     wanted = None if steps is None else {int(s) for s in steps}
     out: list[Finding] = []
     for t in traces:

@@ -306,19 +306,6 @@ class KernelVerdict:
                 f"threads or ranks), not the kernel.")
 
 
-def _settings() -> dict[str, Any]:
-    import torch
-
-    return {
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
-        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
-        "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-    }
-
-
 def mechanism_of(op: torch._ops.OpOverload, device: str, settings: Mapping[str, Any]) -> str:
     """The documented mechanism that makes ``op`` nondeterministic on ``device`` (a key of :data:`MECHANISMS`)."""
     name = _name(op)
@@ -385,8 +372,7 @@ def _check_size(op: torch._ops.OpOverload, cap: Capture, device: torch.device) -
     try:
         args, kwargs = tree_map(meta, cap.args), tree_map(meta, cap.kwargs)
         # Device arguments become meta too, or a factory op would allocate for real.
-        schema = op._schema.arguments
-        for i, a in enumerate(schema):
+        for i, a in enumerate(op._schema.arguments):
             if "DeviceObjType" in _kinds(a.type):
                 if i < len(args) and not a.kwarg_only:
                     args = (*args[:i], torch.device("meta"), *args[i + 1:])
@@ -440,7 +426,14 @@ def rerun(capture: str | os.PathLike[str] | Capture, *, runs: int = 5, device: s
     if target.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"cannot re-run {cap.op} on {target}: CUDA is not available here")
     _check_size(op, cap, target)
-    settings = _settings()
+    settings = {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    }
 
     def fresh(x: Any) -> Any:
         # A copy per run: an in-place op would otherwise feed its own result to the next run.

@@ -155,19 +155,6 @@ class _Digests:
             return "dev", len(self.lanes) - 1
 
 
-def _work_of(result: Any) -> Any:
-    """The ``Work`` a c10d op returned (alone, or after its tensors), or ``None``."""
-    import torch
-
-    for x in result if isinstance(result, tuple | list) else (result,):
-        if isinstance(x, torch.ScriptObject):
-            try:
-                return torch._C._distributed_c10d.Work.unbox(x)
-            except (RuntimeError, TypeError, AttributeError):
-                return None
-    return None
-
-
 def _after_read(tensors: list[Any]) -> tuple[Any, Any] | None:
     """``(device, event)`` after the fingerprint kernels just enqueued for ``tensors`` (``None`` on the host). The
     tensors are recorded on that stream, so memory their owner frees meanwhile is not reused before the read."""
@@ -252,9 +239,6 @@ class StepTracer:
         self.step, w = step, self.window
         self.ops_on = (w is not None and (w.steps is None or step in w.steps)
                        and (w.ranks is None or self.rank in w.ranks))
-        if self.ops_on:
-            # NVTX range per op so `nsys` maps kernels to sites (docs/locate.md).
-            self._nvtx = kernel.nvtx_enabled()
         self._new_step()
         self._generation += 1
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -270,6 +254,8 @@ class StepTracer:
         self._hooks = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
         self.active = True
         if self.ops_on:
+            # NVTX range per op so `nsys` maps kernels to sites (docs/locate.md).
+            self._nvtx = kernel.nvtx_enabled()
             self._mode = _mode_class()(self)
             self._mode.__enter__()
         else:
@@ -319,10 +305,8 @@ class StepTracer:
         comm = is_comm(func)
         if func.namespace == "_c10d_functional" and _name(func) == "wait_tensor" and self._pending:
             out = func(*args, **kwargs)
-            self._waited(args[0] if args else kwargs.get("tensor"))
-            if self.ops_on:
-                return self._record(func, args, kwargs, already=out)
-            return out
+            self._waited(args[0] if args else kwargs["tensor"])
+            return self._record(func, args, kwargs, already=out) if self.ops_on else out
         if not comm and not self.ops_on:
             return func(*args, **kwargs)
         info = comm_info(func, args, kwargs, self._counter) if comm else None
@@ -355,12 +339,14 @@ class StepTracer:
                        async_op: Any) -> bool:
         """Take the c10d op's outputs when its work completes (a future callback holding weak references only);
         ``False`` when the work has no future, so the caller keeps them until the step ends."""
-        work = _work_of(result)
-        if work is None:
-            return False
-        try:
-            future = work.get_future()
-        except RuntimeError:  # "Work::getFuture not implemented" (gloo's send and recv)
+        import torch
+
+        # The ``Work`` the op returned (alone, or after its tensors).
+        boxed = [x for x in (result if isinstance(result, tuple | list) else (result,))
+                 if isinstance(x, torch.ScriptObject)]
+        try:  # no Work, or one without a future ("Work::getFuture not implemented": gloo's send and recv)
+            future = torch._C._distributed_c10d.Work.unbox(boxed[0]).get_future()
+        except (IndexError, RuntimeError, TypeError, AttributeError):
             return False
         outs, sites, note, index, places = entry
         refs = [weakref.ref(t) for t in outs]
@@ -404,8 +390,6 @@ class StepTracer:
 
     def _waited(self, tensor: Any) -> None:
         """A functional collective's output was waited on: take it now."""
-        if tensor is None:
-            return
         keep = []
         for entry in self._pending:
             if any(t is tensor for t in entry[0]):
@@ -468,8 +452,9 @@ class StepTracer:
             outs: list[Any] = [None] * len(results)  # in flight: taken at completion
             for t in (*_leaves(args), *results):
                 digest.forget(t)
-        elif _allocates(name) or (size_before is not None and any(t.numel() > size_before for t in results)):
-            outs = [None] * len(results)
+        elif (name == "empty" or name.startswith(("empty_", "new_empty", "_empty"))
+              or (size_before is not None and any(t.numel() > size_before for t in results))):
+            outs = [None] * len(results)  # memory no op wrote: an allocation, or what a resize added
             for t in results:
                 digest.uninitialised(t)
         elif name in ("copy_", "_to_copy", "to") and argument(func, args, kwargs, "non_blocking"):
@@ -505,11 +490,6 @@ class StepTracer:
         return out
 
 
-def _allocates(name: str) -> bool:
-    """Whether an op of this name returns memory it does not write (an ``empty*`` allocation)."""
-    return name == "empty" or name.startswith(("empty_", "new_empty", "_empty"))
-
-
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """The tensors an op writes through its arguments (``Tensor(a!)``), in schema order."""
     return [t for a, value in bound(func, args, kwargs) if a.alias_info is not None and a.alias_info.is_write
@@ -532,8 +512,7 @@ def _arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list
         if isinstance(value, torch.Tensor):
             continue
         parts: list[str] = []
-        small = _encode(value, parts)
-        text = _text(value) if small else None
+        text = _text(value) if _encode(value, parts) else None  # small and plain: shown
         out.append([a.name[:MAX_ARGUMENT_NAME], xxhash.xxh3_128_hexdigest("\x1f".join(parts).encode()), text])
     return out
 
@@ -621,9 +600,6 @@ def _capture(path: str | None, op: str, args: Any, kwargs: Any) -> None:
     write_atomic(path, data.getvalue(), prefix=".ckptverify-capture-", durable=False)
 
 
-#: The ``TorchDispatchMode`` subclass, made on first use (importing this module must not import torch).
-_MODE_CLASS: Any = None
-
 #: The tracer the collectives' kernels hand calls to outside an op window; one recording loop per process.
 _ACTIVE: StepTracer | None = None
 _LIBRARY: Any = None
@@ -666,8 +642,7 @@ def _comm_kernels(use: bool) -> None:
             if not (is_comm(func) or name == "wait_tensor"):
                 continue
             for key in _KERNEL_KEYS:
-                if torch._C._dispatch_has_kernel_for_dispatch_key(full if overload == "default"
-                                                                  else f"{full}.{overload}", key):
+                if torch._C._dispatch_has_kernel_for_dispatch_key(f"{ns}::{qualified}", key):
                     continue  # someone's kernel is there: leave it (the op is then seen at level op only)
                 libs[ns].impl(qualified, _kernel(func), key)
     _LIBRARY = list(libs.values())
@@ -681,28 +656,25 @@ def _kernel(func: Any) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with below():
             tracer = _ACTIVE
-            if tracer is None:
-                return func(*args, **kwargs)
-            return tracer.dispatch(func, args, kwargs)
+            return func(*args, **kwargs) if tracer is None else tracer.dispatch(func, args, kwargs)
 
     return kernel
 
 
+@functools.cache
 def _mode_class() -> Any:
-    global _MODE_CLASS
-    if _MODE_CLASS is None:
-        from torch.utils._python_dispatch import TorchDispatchMode
+    """The ``TorchDispatchMode`` subclass, made on first use (importing this module must not import torch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-        class TraceMode(TorchDispatchMode):
-            def __init__(self, tracer: StepTracer) -> None:
-                super().__init__()
-                self.tracer = tracer
+    class TraceMode(TorchDispatchMode):
+        def __init__(self, tracer: StepTracer) -> None:
+            super().__init__()
+            self.tracer = tracer
 
-            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                return self.tracer.dispatch(func, tuple(args), kwargs or {})
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return self.tracer.dispatch(func, tuple(args), kwargs or {})
 
-        _MODE_CLASS = TraceMode
-    return _MODE_CLASS
+    return TraceMode
 
 
 def write_op_log(store: str | os.PathLike[str], step: int, records: list[dict[str, Any]], dropped: int,

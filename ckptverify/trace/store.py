@@ -103,10 +103,8 @@ def block_rows(width: int) -> int:
 
 
 def _torch_version() -> str:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return "unknown"
+    import torch
+
     return str(torch.__version__)
 
 
@@ -161,14 +159,13 @@ class TraceHeader:
         for name, value in values.items():
             if not isinstance(value, _HEADER_TYPES[name]) or isinstance(value, bool):
                 raise CkptVerifyError(f"damaged trace header: {name} is {type(value).__name__}")
-        try:
-            header = cls(**values)
-        except UsageError as exc:  # a level or detail this tool does not know
-            raise CkptVerifyError(f"damaged trace header: {exc}") from None
         missing = sorted(known - values.keys())
         if missing:
             raise CkptVerifyError(f"damaged trace header: no {', '.join(missing)}")
-        return header
+        try:
+            return cls(**values)
+        except UsageError as exc:  # a level or detail this tool does not know
+            raise CkptVerifyError(f"damaged trace header: {exc}") from None
 
     def differences(self, other: TraceHeader, ignore: Iterable[str] = ("run",)) -> list[str]:
         """Names of the fields that differ, ``ignore`` aside; ``digest_encoding`` counts only when both are known."""
@@ -289,7 +286,7 @@ class TraceWriter:
         #: The site table by column, each entry as the store holds it (``order`` filled in when written).
         self._sites: list[dict[str, Any]] = []
         self._column: dict[str, int] = {}
-        self._order: list[int] = []
+        #: Column -> place in execution order.
         self._position: dict[int, int] = {}
         self._rows = 0  # rows handed to the writing thread (written, or being written)
         self._last_step: int | None = None
@@ -300,12 +297,12 @@ class TraceWriter:
         self._closed = False
         # Written by the writing thread only: the arrays' allocated rows and width, and the site table written.
         self._capacity = (0, 0)
-        self._sites_written = -1
+        self._sites_written = 0
         self._background = background
         self._pending: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._sites_meta = self._group.create_array("sites", shape=(0,), dtype="uint8", fill_value=0)
-        self._write_sites(self._site_table(), 0)
+        self._sites_meta = self._group.create_array("sites", shape=(0,), dtype="uint8", fill_value=0,
+                                                    attributes={"sites": []})
         self._group.update_attributes({"header": header.to_dict(), "rows": 0,
                                        "layout": {"flush_every": flush_every, "site_chunk": site_chunk}})
 
@@ -351,11 +348,9 @@ class TraceWriter:
                 col = self._add_site(cell, after=prev)
             else:
                 known = self._sites[col]
-                if known["kind"] != cell.kind:
-                    raise UsageError(f"site {cell.site!r} changed kind from {known['kind']} to {cell.kind}")
-                if known["encoding"] != cell.encoding:
-                    raise UsageError(f"site {cell.site!r} changed encoding from {known['encoding']} to "
-                                     f"{cell.encoding}")
+                for what, value in (("kind", cell.kind), ("encoding", cell.encoding)):
+                    if known[what] != value:
+                        raise UsageError(f"site {cell.site!r} changed {what} from {known[what]} to {value}")
             if col in seen:
                 raise UsageError(f"site {cell.site!r} recorded twice at step {step}")
             seen.add(col)
@@ -364,22 +359,18 @@ class TraceWriter:
         return columns
 
     def _add_site(self, cell: Cell, after: int | None) -> int:
-        if cell.kind not in KINDS:
-            raise UsageError(f"site {cell.site!r}: unknown kind {cell.kind!r}")
-        if cell.encoding not in ENCODINGS:
-            raise UsageError(f"site {cell.site!r}: unknown encoding {cell.encoding!r}")
+        for what, value, known in (("kind", cell.kind, KINDS), ("encoding", cell.encoding, ENCODINGS)):
+            if value not in known:
+                raise UsageError(f"site {cell.site!r}: unknown {what} {value!r}")
         col = len(self._sites)
         self._sites.append({"name": cell.site, "kind": cell.kind, "category": KINDS[cell.kind],
                             "encoding": cell.encoding, "order": 0, "first_row": self.rows, "info": cell.info,
                             "group": cell.group})
         self._column[cell.site] = col
         pos = 0 if after is None else self._position[after] + 1
-        if pos == len(self._order):
-            self._order.append(col)
-            self._position[col] = pos
-        else:
-            self._order.insert(pos, col)
-            self._position = {c: i for i, c in enumerate(self._order)}
+        if pos < len(self._position):
+            self._position = {c: i + (i >= pos) for c, i in self._position.items()}
+        self._position[col] = pos
         self._sites_version += 1
         return col
 
@@ -401,8 +392,6 @@ class TraceWriter:
                 self._pending = threading.Thread(target=self._run, args=job, name="ckptverify-trace-writer",
                                                  daemon=False)
                 self._pending.start()
-        if wait:
-            self._join()
 
     def _join(self) -> None:
         if self._pending is not None:
@@ -451,17 +440,14 @@ class TraceWriter:
         self._values[start:end, :width] = values
         self._present[start:end, :width] = present
         if sites is not None:
-            self._write_sites(sites, version)
+            # The site table lives in the attributes of the empty ``sites`` array.
+            self._sites_meta.update_attributes({"sites": sites})
+            self._sites_written = version
         # Last: the commit marker.
         self._group.update_attributes({"rows": end})
 
     def _site_table(self) -> list[dict[str, Any]]:
         return [dict(site, order=self._position[c]) for c, site in enumerate(self._sites)]
-
-    def _write_sites(self, sites: list[dict[str, Any]], version: int) -> None:
-        """Store the site table in the attributes of the empty ``sites`` array."""
-        self._sites_meta.update_attributes({"sites": sites})
-        self._sites_written = version
 
     def close(self) -> None:
         if not self._closed:
@@ -521,13 +507,11 @@ def _json_int(value: Any, what: str, where: Path, hi: int, lo: int = 0) -> int:
         raise CkptVerifyError(f"{where}: {exc}") from None
 
 
-_SITE_TEXT = ("name", "kind", "category", "encoding")
-
-
 def _site(raw: Any, col: int, store: Path) -> tuple[Site, int]:
     """One entry of the site table and the row it was first recorded at."""
     where = store / "sites"
-    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) for k in _SITE_TEXT):
+    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str)
+                                            for k in ("name", "kind", "category", "encoding")):
         raise CkptVerifyError(f"{where}: site {col} lacks its name, kind, category or encoding")
     if not isinstance(raw.get("info"), str) or not isinstance(raw.get("group"), str):
         raise CkptVerifyError(f"{where}: site {col} lacks its note or group, or one is not text")
@@ -552,14 +536,7 @@ class _Array:
     grid, default keys, ``bytes`` codec, optional ``zstd``). Every chunk decodes to exactly its size, at most
     :data:`MAX_CHUNK_BYTES`."""
 
-    def __init__(self, path: Path, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: np.dtype,
-                 fill: Any, zstd: bool, separator: str) -> None:
-        self.path, self.shape, self.chunks, self.dtype = path, shape, chunks, dtype
-        self.fill, self.zstd, self.separator = fill, zstd, separator
-        self.chunk_bytes = math.prod(chunks) * dtype.itemsize
-
-    @classmethod
-    def open(cls, path: Path, dtype: str, ndim: int) -> _Array:
+    def __init__(self, path: Path, dtype: str, ndim: int) -> None:
         meta = _node(_read_json(path / "zarr.json"), "array", path)
         bad = lambda why: CkptVerifyError(f"{path}: {why}")  # noqa: E731
         if meta.get("data_type") != dtype:
@@ -598,7 +575,9 @@ class _Array:
         else:
             info = np.iinfo(np_dtype)
             fill = _json_int(fill, "the fill value", path, int(info.max), lo=int(info.min))
-        return cls(path, shape_t, chunk_t, np_dtype, fill, zstd, separator)
+        self.path, self.shape, self.chunks, self.dtype = path, shape_t, chunk_t, np_dtype
+        self.fill, self.zstd, self.separator = fill, zstd, separator
+        self.chunk_bytes = math.prod(chunk_t) * np_dtype.itemsize
 
     def _chunk(self, index: tuple[int, ...]) -> np.ndarray | None:
         """The decoded chunk at grid position ``index``; ``None`` when it was never written (all fill)."""
@@ -689,9 +668,9 @@ class Trace:
         raw_sites = sites_attrs.get("sites") if isinstance(sites_attrs, dict) else None
         if not isinstance(raw_sites, list) or len(raw_sites) > MAX_SITES:
             raise CkptVerifyError(f"{self.path}/sites: the site table is not a list of at most {MAX_SITES} sites")
-        steps_array = _Array.open(self.path / "steps", "int64", 1)
-        self._values = _Array.open(self.path / "values", "uint64", 3)
-        self._present = _Array.open(self.path / "present", "bool", 2)
+        steps_array = _Array(self.path / "steps", "int64", 1)
+        self._values = _Array(self.path / "values", "uint64", 3)
+        self._present = _Array(self.path / "present", "bool", 2)
         if steps_array.shape[0] < self._rows:
             raise CkptVerifyError(f"{self.path}: {steps_array.shape[0]} step entries for {self._rows} rows")
         steps = steps_array.read((slice(0, self._rows),), committed=True)
@@ -703,9 +682,8 @@ class Trace:
         while width and sites[width - 1][1] >= self._rows:
             width -= 1
         by_column = [site for site, _ in sites[:width]]
-        if (steps.shape[0] != self._rows or self._values.shape[0] < self._rows or self._values.shape[1] < width
-                or self._values.shape[2] != 2 or self._present.shape[0] < self._rows
-                or self._present.shape[1] < width):
+        if (self._values.shape[0] < self._rows or self._values.shape[1] < width or self._values.shape[2] != 2
+                or self._present.shape[0] < self._rows or self._present.shape[1] < width):
             raise CkptVerifyError(f"{self.path}: arrays are shorter than the committed site table and rows")
         self._width = width
         self._columns: dict[str, int] = {}
@@ -749,10 +727,8 @@ class Trace:
 
     def rows(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """``(values, present)`` of rows ``[start, end)`` by column; cells before a site's first row read absent."""
-        start, end = max(0, start), min(self._rows, end)
-        if end <= start or self._width == 0:
-            return (np.zeros((max(end - start, 0), self._width, 2), np.uint64),
-                    np.zeros((max(end - start, 0), self._width), bool))
+        start = max(0, start)
+        end = max(start, min(self._rows, end))
         values = self._values.read((slice(start, end), slice(0, self._width), slice(0, 2)))
         present = self._present.read((slice(start, end), slice(0, self._width)))
         present &= np.arange(start, end)[:, None] >= self._first_row[None, :]
@@ -817,12 +793,5 @@ def open_trace(path: str | os.PathLike[str]) -> Trace:
 def step_ranges(steps: Iterable[int]) -> str:
     """``"1-3, 7, 9-10"`` for a set of steps."""
     values = sorted(set(int(s) for s in steps))
-    parts: list[str] = []
-    i = 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
-        i = j + 1
-    return ", ".join(parts)
+    runs = [[v for _, v in run] for _, run in itertools.groupby(enumerate(values), lambda iv: iv[1] - iv[0])]
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)

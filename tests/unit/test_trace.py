@@ -86,7 +86,8 @@ def test_header_round_trip_and_validation() -> None:
         TraceHeader(run="a", level="everything")
     # Only the version this tool writes reads, with every field present.
     for bad, match in (({**h.to_dict(), "schema_version": 2}, "schema version 2 is not one this tool reads"),
-                       ({k: v for k, v in h.to_dict().items() if k != "detail"}, "no detail")):
+                       ({k: v for k, v in h.to_dict().items() if k != "detail"}, "no detail"),
+                       ({k: v for k, v in h.to_dict().items() if k != "run"}, "no run")):
         with pytest.raises(CkptVerifyError, match=match):
             TraceHeader.from_dict(bad)
 
