@@ -119,11 +119,10 @@ class VerificationRun:
 
     def __init__(self, root: str, jobs: int, progress: ProgressSink | None, *,
                  only: frozenset[str] | None = None, skip: frozenset[str] = frozenset(),
-                 executor: Executor | None = None, hold_kept: bool = False, extension_registry: Any = None) -> None:
+                 executor: Executor | None = None, hold_kept: bool = False) -> None:
         self.root = root
         self._only, self._skip, self._whole = only, skip, only is None  # whole: also the whole-checkpoint checks
-        self._jobs, self._progress, self._executor = jobs, progress, executor
-        self._hold_kept, self._extension_registry = hold_kept, extension_registry
+        self._jobs, self._progress, self._executor, self._hold_kept = jobs, progress, executor, hold_kept
         self._findings: list[Finding] = []
         self._coverage: list[CheckCoverage] = []
         self._layout: Layout | None = None
@@ -269,7 +268,7 @@ class VerificationRun:
         self._hash(layout)
         self._plans.extend(self._extra_plans)
         if deep:
-            self._deep_scan(layout)
+            self._deep_scan()
 
     def _read_manifest(self) -> None:
         try:
@@ -314,8 +313,7 @@ class VerificationRun:
         blobs = self._blobs(layout)
         usable = {n: (s if self._opened.get(n) else None) for n, s in stats.items()}
         self._findings.extend(check_items(layout, usable, blobs))
-        bounded = len(layout.items) if self._only is None and not self._skip else \
-            sum(1 for i in layout.items if self._mine(i.file))
+        bounded = sum(1 for i in layout.items if self._mine(i.file))
         self._coverage.append(CheckCoverage(check="item-bounds", count=bounded, unit="items"))
 
     def _blobs(self, layout: Layout) -> dict[str, tuple[int, int]]:
@@ -398,15 +396,14 @@ class VerificationRun:
             self._release_kept()
         # Stream-transformed items are decoded and judged now; their plans join after the hashing pass.
         transformed = [i for n in names for i in by_file[n] if i.transforms]
-        decoded = self.map(lambda i: self._transformed(i), transformed)
+        decoded = self.map(self._transformed, transformed)
         self._extra_plans.extend(p for p in decoded if p is not None)
 
     def _transformed(self, item: Item) -> ItemPlan | None:
         from ckptverify.checks.transformed import plan_transformed
 
         result = FileResult()
-        plan = plan_transformed(self._opened[item.file], item, result,  # type: ignore[arg-type]
-                                registry=self._extension_registry)
+        plan = plan_transformed(self._opened[item.file], item, result)  # type: ignore[arg-type]
         with self._lock:
             into = self._results[item.file]
             into.findings.extend(result.findings)
@@ -473,8 +470,16 @@ class VerificationRun:
             self.advance(p.end - p.start)
             return value
 
+        def unit(w: Any) -> list[Any]:  # a work item as a plain unit another rank can read (cluster.units)
+            p = piece(w)
+            if w[0] == "crc":
+                return ["crc", p.file, p.start, p.end]
+            assert manifest is not None
+            return ["blocks", p.file, p.start, p.end, p.first, p.last, manifest.digest_algorithm, manifest.block_bytes,
+                    [list(r) for r in crc_ranges[w[1]]]]
+
         if self._executor is not None:
-            got = self._executor.map_units(self, [_unit(w, tasks, crc_ranges, manifest) for w in work])
+            got = self._executor.map_units(self, [unit(w) for w in work])
         else:
             got = self.map(run, work)
         results = dict(zip(work, got, strict=True))
@@ -551,7 +556,7 @@ class VerificationRun:
                     location=Location(file=name), expected=manifest.files[name].digest, actual=digest))
         self._coverage.append(CheckCoverage(check="manifest-digest", count=len(todo), unit="whole files"))
 
-    def _deep_scan(self, layout: Layout) -> None:
+    def _deep_scan(self) -> None:
         from ckptverify.checks import deep as deep_check
 
         desc = self.description()
@@ -631,18 +636,6 @@ class VerificationRun:
         if side_files:
             add_side_files(desc, self._side_files)
         return desc
-
-
-def _unit(w: Any, tasks: list[manifest_check.BlockTask], crc_ranges: list[list[tuple[int, int]]],
-          manifest: Manifest | None) -> list[Any]:
-    """A work item of the hashing pass as a plain unit another rank can read (:mod:`ckptverify.cluster.units`)."""
-    kind, what = w
-    if kind == "crc":
-        return ["crc", what.file, what.start, what.end]
-    task = tasks[what]
-    assert manifest is not None
-    return ["blocks", task.file, task.start, task.end, task.first, task.last, manifest.digest_algorithm,
-            manifest.block_bytes, [list(r) for r in crc_ranges[what]]]
 
 
 class _Window(NamedTuple):

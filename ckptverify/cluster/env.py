@@ -47,7 +47,9 @@ def detect(environ: dict[str, str] | None = None) -> ClusterEnv | None:
         if world <= 1:
             return None
         rank = _int(env, "SLURM_PROCID", launcher)
-        local_world = _tasks_here(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or "")
+        # Tasks on the first node of a ``TASKS_PER_NODE`` spec (``4(x2),3``), taken as this node's.
+        m = re.match(r"\s*(\d+)", env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or "")
+        local_world = int(m.group(1)) if m else 1
     else:
         return None
     if not 0 <= rank < world:
@@ -73,12 +75,6 @@ def _int(env: dict[str, str] | os._Environ[str], key: str, launcher: str) -> int
         return int(str(value).strip())
     except ValueError:
         raise UsageError(f"running under {launcher}, {key} must be an integer, got {value!r}") from None
-
-
-def _tasks_here(spec: str) -> int:
-    """Tasks on the first node of a Slurm ``TASKS_PER_NODE`` spec (``4(x2),3``), taken as this node's."""
-    m = re.match(r"\s*(\d+)", spec)
-    return int(m.group(1)) if m else 1
 
 
 def cores_per_rank(local_world_size: int) -> int:

@@ -5,6 +5,7 @@ report; every other rank calls :meth:`Session.serve` until rank 0 says it is don
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import signal
 from collections import defaultdict
@@ -104,7 +105,7 @@ class Session:
 
         pool = ThreadPoolExecutor(max_workers=self.jobs, thread_name_prefix="ckptverify-rank")
         try:
-            for k in range(1 << 62):
+            for k in itertools.count():
                 msg = group.collect({0: f"round/{k}"}, "waiting for work")[0]
                 if msg.get("kind") != "work":
                     group.send(f"bye/{group.rank}", True, "bye")  # rank 0 may host the store: it waits for this
@@ -124,7 +125,6 @@ class Session:
                 except Exception as exc:  # reported by rank 0, which names this rank
                     reply = {"error": "failed", "message": f"{type(exc).__name__}: {exc}"[:500]}
                 group.send(f"result/{k}/{group.rank}", reply, f"result/{k}")
-            return 0  # pragma: no cover - unreachable
         finally:
             pool.shutdown(wait=False)
             files.close()
@@ -146,7 +146,7 @@ class Session:
             return
         self._closed = True
         try:
-            if self.is_root and self.executor is not None:
+            if self.executor is not None:
                 try:
                     self.group.set(f"round/{self.executor.round}", {"kind": "done"})
                     # Under srun rank 0 hosts the store: the others must have read "done" before it goes.
