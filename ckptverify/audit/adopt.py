@@ -348,9 +348,8 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tupl
     # Every part's verification before any manifest is written: a failed one refuses them all.
     if not merge_reports("fingerprint", root, reports).passed:
         return refused(_FAILS)
-    for sub in subs:  # each other DCP folder gets its manifest, from its nodes' parts and what is read here
-        if sub in unwritten:
-            continue
+    # Each other DCP folder gets its manifest, from its nodes' parts and what is read here.
+    for sub in (s for s in subs if s not in unwritten):
         # The parts' verification is the folder's (``brought``): here only their files, pieces and units.
         files, executor = parts.get(sub, (frozenset(), None))
         got, manifest = fingerprint_checkpoint(os.path.join(root, sub), force=True, jobs=jobs, trust_uncheckable=True,
