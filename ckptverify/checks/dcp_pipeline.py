@@ -119,10 +119,11 @@ class VerificationRun:
 
     def __init__(self, root: str, jobs: int, progress: ProgressSink | None, *,
                  only: frozenset[str] | None = None, skip: frozenset[str] = frozenset(),
-                 executor: Executor | None = None, hold_kept: bool = False) -> None:
+                 executor: Executor | None = None, hold_kept: bool = False, extension_registry: Any = None) -> None:
         self.root = root
         self._only, self._skip, self._whole = only, skip, only is None  # whole: also the whole-checkpoint checks
-        self._jobs, self._progress, self._executor, self._hold_kept = jobs, progress, executor, hold_kept
+        self._jobs, self._progress, self._executor = jobs, progress, executor
+        self._hold_kept, self._extension_registry = hold_kept, extension_registry
         self._findings: list[Finding] = []
         self._coverage: list[CheckCoverage] = []
         self._layout: Layout | None = None
@@ -403,7 +404,8 @@ class VerificationRun:
         from ckptverify.checks.transformed import plan_transformed
 
         result = FileResult()
-        plan = plan_transformed(self._opened[item.file], item, result)  # type: ignore[arg-type]
+        plan = plan_transformed(self._opened[item.file], item, result,  # type: ignore[arg-type]
+                                registry=self._extension_registry)
         with self._lock:
             into = self._results[item.file]
             into.findings.extend(result.findings)
