@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ckptverify.cluster.env import ClusterEnv, cores_per_rank, detect
+from ckptverify.cluster.env import cores_per_rank, detect
 from ckptverify.cluster.group import CommandRanks, connect
 from ckptverify.cluster.split import assign, balance
 from ckptverify.cluster.units import (
@@ -61,17 +61,11 @@ def open_session(command: str, path: str, *, readers: int | None, rank_timeout: 
         return session
     if env is None:
         return None
-    return _join(env, command, path, rank_timeout, jobs)
-
-
-def _join(env: ClusterEnv, command: str, path: str, timeout: float, jobs: int | None) -> Session:
     # torchrun's agent hosts the store; under srun and --readers, rank 0 does.
     agent = env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    server = connect(env.master_addr, env.master_port, env.world_size, timeout,
-                     server=True) if env.rank == 0 and not agent and env.launcher != "local" else None
-    store = server or connect(env.master_addr, env.master_port, env.world_size, timeout, server=False)
-    beat = connect(env.master_addr, env.master_port, env.world_size, timeout, server=False)
-    group = CommandRanks(store, beat, env.rank, env.world_size, timeout, _namespace())
+    meet = (env.master_addr, env.master_port, env.world_size, rank_timeout)
+    store = connect(*meet, server=env.rank == 0 and not agent and env.launcher != "local")
+    group = CommandRanks(store, connect(*meet, server=False), env.rank, env.world_size, rank_timeout, _namespace())
     session = Session(group, path, jobs or cores_per_rank(env.local_world_size), env.launcher, None)
     group.start(command, path)
     return session
