@@ -595,48 +595,43 @@ class VerificationRun:
         :meth:`execute`. ``values``: also plain values of non-tensor items (not those in ``values_skip``);
         ``side_files``: side files merged in (``meta.pt:...``)."""
 
-        from ckptverify.formats.describe import Description
+        from ckptverify.formats.describe import Description, add_side_files
 
         if self._layout is None:
             return Description(root=self.root, format="dcp")
-        with paused_gc():  # one object per item and payload, no reference cycles (see gcpause)
-            desc = self._describe(values, values_skip, side_files)
-        if self._skip and self._executor is not None:  # other nodes' files, items and pieces, as their parts recorded
-            self._executor.describe(desc, self._skip)
-        return desc
-
-    def _describe(self, values: bool, values_skip: frozenset[str] | set[str], side_files: bool) -> Description:
         from ckptverify.formats.dcp import ReadItem, describe_dcp
-        from ckptverify.formats.describe import add_side_files
 
-        assert self._layout is not None
         read = []
         by_manifest, digested, opened = self._manifest_records, self._manifest_items, self._opened.get
-        for plan in self._plans:
-            item, base, reader, header = plan.item, plan.item.offset, plan.reader, plan.header
-            # A subclass's first storage record stands for all (one archive, checked alike).
-            key = header.parts[0][1].storage_key if isinstance(header, SubclassHeader) else \
-                header.storage_key if header is not None else None
-            rec = plan.archive.record(f"data/{key}") if key is not None else None
-            if reader is None:
-                reader = opened(item.file)
-                # A record whose CRC-32 field is 0 over nonzero bytes: saved with CRC-32 disabled.
-                checksum = "none" if rec is not None and rec.crc == 0 and rec.size else "crc32"
-                if by_manifest and rec is not None and (item.file, item.offset, rec.name) in by_manifest:
-                    checksum = "manifest"
-            elif isinstance(reader, _Window):  # a tensor of DCP's safetensors blob: its own bytes of the file
-                item = dataclasses.replace(item, offset=reader.offset)
-                base, reader = item.offset, reader.file
-                checksum = "none"
-            else:  # decoded stream transforms: the archive is the decoded bytes'
-                item = reader.stored
-                checksum = "crc32"
-            if digested and checksum != "manifest" and (item.file, item.offset, item.length) in digested:
-                checksum = "manifest" if checksum == "none" else f"{checksum}+manifest"
-            read.append(ReadItem(item, plan.archive, header, base, reader, rec, checksum))
-        desc = describe_dcp(self.root, self._layout, read, files=self._opened, values=values, values_skip=values_skip)
-        if side_files:
-            add_side_files(desc, self._side_files)
+        with paused_gc():  # one object per item and payload, no reference cycles (see gcpause)
+            for plan in self._plans:
+                item, base, reader, header = plan.item, plan.item.offset, plan.reader, plan.header
+                # A subclass's first storage record stands for all (one archive, checked alike).
+                key = header.parts[0][1].storage_key if isinstance(header, SubclassHeader) else \
+                    header.storage_key if header is not None else None
+                rec = plan.archive.record(f"data/{key}") if key is not None else None
+                if reader is None:
+                    reader = opened(item.file)
+                    # A record whose CRC-32 field is 0 over nonzero bytes: saved with CRC-32 disabled.
+                    checksum = "none" if rec is not None and rec.crc == 0 and rec.size else "crc32"
+                    if by_manifest and rec is not None and (item.file, item.offset, rec.name) in by_manifest:
+                        checksum = "manifest"
+                elif isinstance(reader, _Window):  # a tensor of DCP's safetensors blob: its own bytes of the file
+                    item = dataclasses.replace(item, offset=reader.offset)
+                    base, reader = item.offset, reader.file
+                    checksum = "none"
+                else:  # decoded stream transforms: the archive is the decoded bytes'
+                    item = reader.stored
+                    checksum = "crc32"
+                if digested and checksum != "manifest" and (item.file, item.offset, item.length) in digested:
+                    checksum = "manifest" if checksum == "none" else f"{checksum}+manifest"
+                read.append(ReadItem(item, plan.archive, header, base, reader, rec, checksum))
+            desc = describe_dcp(self.root, self._layout, read, files=self._opened, values=values,
+                                values_skip=values_skip)
+            if side_files:
+                add_side_files(desc, self._side_files)
+        if self._skip and self._executor is not None:  # other nodes' files, items and pieces, as their parts recorded
+            self._executor.describe(desc, self._skip)
         return desc
 
 
