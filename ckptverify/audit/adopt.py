@@ -313,7 +313,7 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tupl
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
     started = time.perf_counter()
     top, opened = verify_folder_files(root, use_manifest=False)
-    dropped = ("manifest-absent", FINGERPRINT_ADVICE)
+    dropped = ("manifest-absent", FINGERPRINT_ADVICE, "manifest-written")  # the parts' manifests: in the one note
     reports = [Report(command="fingerprint", target=root, coverage=top.coverage, stats=top.stats,
                       findings=tuple(f for f in top.findings if f.check not in dropped)), *brought]
     read_here = int(top.stats.get("bytes") or 0)
@@ -357,9 +357,8 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tupl
                                                                                         target=root, findings=()))])
         read_here += int(got.stats.get("bytes_read_here") or 0)
         opened.extend(f"{sub}/{n}" for n in got.stats.get("opened") or [])
-        keep = tuple(_under(sub, (f for f in got.findings if f.check not in (*dropped, "manifest-written"))))
-        reports.append(Report(command="fingerprint", target=root, findings=keep, coverage=got.coverage,
-                              stats=got.stats))
+        reports.append(Report(command="fingerprint", target=root, coverage=got.coverage, stats=got.stats,
+                              findings=tuple(_under(sub, (f for f in got.findings if f.check not in dropped)))))
         if manifest is None:
             merged = merge_reports("fingerprint", root, reports)
             return result(merged.findings, merged.coverage), None, unwritten

@@ -213,10 +213,8 @@ def _lane_values(lanes: tuple[Any, Any]) -> list[str]:
     """Fingerprint values (lane 0 then lane 1, 16 hex digits each) of pairs of unsigned lane-sum arrays."""
     import numpy as np
 
-    lane0, lane1 = lanes
-    pairs = np.empty((len(lane0), 2), dtype=">u8")  # big-endian: the bytes in the order the hex digits read
-    pairs[:, 0] = lane0
-    pairs[:, 1] = lane1
+    pairs = np.empty((len(lanes[0]), 2), dtype=">u8")  # big-endian: the bytes in the order the hex digits read
+    pairs[:, 0], pairs[:, 1] = lanes
     text = pairs.tobytes().hex()
     return [text[i:i + 32] for i in range(0, len(text), 32)]
 
