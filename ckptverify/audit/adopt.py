@@ -76,63 +76,54 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     if single or _other_format(root)[0] == "folder":
         return _fingerprint_described(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
                                       trust_uncheckable=trust_uncheckable, started=started)
-    # Many small acyclic objects (see gcpause): a third of the time of 100 000 items without the pause.
-    with paused_gc():
-        return _adopt_dcp(root, digest=digest, block_bytes=block_bytes, jobs=jobs,
-                          trust_uncheckable=trust_uncheckable, progress=progress, executor=executor,
-                          started=started, parts=parts)
-
-
-def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, trust_uncheckable: bool,
-               progress: ProgressSink | None, executor: Executor | None, started: float,
-               parts: list[tuple[frozenset[str], Report]] | None = None) -> tuple[Report, Manifest | None]:
-    """:func:`fingerprint_checkpoint` of a DCP checkpoint (see there)."""
     skip = frozenset(f for files, _ in parts or () for f in files)
     # The digest pass and the scan read the small files again (hold_kept).
     run = VerificationRun(root, jobs or default_jobs(), progress, skip=skip, executor=executor,
                           hold_kept=executor is None)
     try:
-        run.execute(deep=False, use_manifest=False)
-        checked = run.report("fingerprint", time.perf_counter() - started)
-        if parts is not None:
-            here, opened = checked.stats.get("bytes"), run.opened_files()
-            checked = merge_reports("fingerprint", root, [checked, *(report for _, report in parts)])
-            # What this process read; the rest was read by the parts, each on its node.
-            checked.stats.update(bytes_read_here=here, opened=opened)
-        if not checked.passed:
-            return _refusal(checked, _FAILS), None
-        uncheckable = [f for f in checked.findings if f.check == UNCHECKABLE]
-        if uncheckable and not trust_uncheckable:
-            return _refusal(checked, _unchecked(uncheckable, "no CRC-32")), None
-        desc = run.description()
-        if progress is not None:
-            progress.start(sum(i.length for i in desc.stored))
-        entries, files, scans, replica_findings = run.digests(desc, digest=digest, block_bytes=block_bytes,
-                                                              executor=executor)
-        metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
-        if replica_findings:
-            return _refusal(checked, "replicas of a chunk differ; refusing to write a manifest that would bless the "
-                            "checkpoint", *replica_findings), None
-        tensors: dict[str, TensorEntry] = {}
-        unfingerprinted = 0
-        for fqn, tinfo in desc.tensors.items():
-            scan = scans.get(fqn)
-            value = scan.value(tinfo.shape) if scan is not None else None
-            if value is None and 0 not in tinfo.shape:
-                unfingerprinted += 1
-            inner = tuple(scan.part_values.items()) if scan is not None and scan.part_values and value else None
-            # The counts as a save keeps them: for the dtypes it counts, and only once every chunk was counted.
-            counted = scan is not None and counts_kept(tinfo.dtype) and not scan.uncounted
-            tensors[fqn] = TensorEntry(dtype=tinfo.dtype, shape=tinfo.shape, fingerprint=value,
-                                       nan_count=scan.nan if counted else None,
-                                       inf_count=scan.inf if counted else None, parts=inner)
-        ranks = {int(m.group(1)) for n in files if (m := _RANK_FILE.match(n))}
-        manifest = _manifest(digest_algorithm=digest, block_bytes=block_bytes, items=tuple(entries), files=files,
-                             tensors=tensors, metadata_files=metadata, world_size=max(ranks) + 1 if ranks else 1)
-        changed = run.changed_files()
-        if changed:
-            return _refusal(checked, f"files changed while they were digested; {_GONE}", *changed), None
-        written = write_manifest(root, manifest)
+        # Many small acyclic objects (see gcpause): a third of the time of 100 000 items without the pause.
+        with paused_gc():
+            run.execute(deep=False, use_manifest=False)
+            checked = run.report("fingerprint", time.perf_counter() - started)
+            if parts is not None:
+                here, opened = checked.stats.get("bytes"), run.opened_files()
+                checked = merge_reports("fingerprint", root, [checked, *(report for _, report in parts)])
+                # What this process read; the rest was read by the parts, each on its node.
+                checked.stats.update(bytes_read_here=here, opened=opened)
+            if not checked.passed:
+                return _refusal(checked, _FAILS), None
+            uncheckable = [f for f in checked.findings if f.check == UNCHECKABLE]
+            if uncheckable and not trust_uncheckable:
+                return _refusal(checked, _unchecked(uncheckable, "no CRC-32")), None
+            desc = run.description()
+            if progress is not None:
+                progress.start(sum(i.length for i in desc.stored))
+            entries, files, scans, replica_findings = run.digests(desc, digest=digest, block_bytes=block_bytes,
+                                                                  executor=executor)
+            metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
+            if replica_findings:
+                return _refusal(checked, "replicas of a chunk differ; refusing to write a manifest that would bless "
+                                "the checkpoint", *replica_findings), None
+            tensors: dict[str, TensorEntry] = {}
+            unfingerprinted = 0
+            for fqn, tinfo in desc.tensors.items():
+                scan = scans.get(fqn)
+                value = scan.value(tinfo.shape) if scan is not None else None
+                if value is None and 0 not in tinfo.shape:
+                    unfingerprinted += 1
+                inner = tuple(scan.part_values.items()) if scan is not None and scan.part_values and value else None
+                # The counts as a save keeps them: for the dtypes it counts, and only once every chunk was counted.
+                counted = scan is not None and counts_kept(tinfo.dtype) and not scan.uncounted
+                tensors[fqn] = TensorEntry(dtype=tinfo.dtype, shape=tinfo.shape, fingerprint=value,
+                                           nan_count=scan.nan if counted else None,
+                                           inf_count=scan.inf if counted else None, parts=inner)
+            ranks = {int(m.group(1)) for n in files if (m := _RANK_FILE.match(n))}
+            manifest = _manifest(digest_algorithm=digest, block_bytes=block_bytes, items=tuple(entries), files=files,
+                                 tensors=tensors, metadata_files=metadata, world_size=max(ranks) + 1 if ranks else 1)
+            changed = run.changed_files()
+            if changed:
+                return _refusal(checked, f"files changed while they were digested; {_GONE}", *changed), None
+            written = write_manifest(root, manifest)
     except FileChangedError as exc:
         return _refusal(checked, f"a file changed while it was digested; {_GONE}", changed_under(root, exc)), None
     finally:
@@ -188,10 +179,7 @@ def torch_version() -> str:
     return str(loaded.__version__)
 
 
-_NO_CHECKSUM = "no checksum: safetensors, pickles"
 _GONE = "refusing to write a manifest of bytes that are no longer on disk"
-
-
 _FAILS = "the checkpoint fails verification; refusing to write a manifest that would bless it"
 
 
@@ -250,7 +238,7 @@ def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: b
         return _refusal(checked, _FAILS, where=own), None
     uncheckable = [f for f in findings if f.check == UNCHECKABLE]
     if uncheckable and not trust_uncheckable:
-        return _refusal(checked, _unchecked(uncheckable, _NO_CHECKSUM), where=own), None
+        return _refusal(checked, _unchecked(uncheckable, "no checksum: safetensors, pickles"), where=own), None
     parts = list(checked.stats.get("parts") or [])
     for part in parts:  # each DCP part gets its own manifest, as `fingerprint PART` would write it
         sub, _ = fingerprint_checkpoint(os.path.join(root, part), digest=digest, block_bytes=block_bytes, force=force,
@@ -325,7 +313,7 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tupl
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
     started = time.perf_counter()
     top, opened = verify_folder_files(root, use_manifest=False)
-    dropped = ("manifest-absent", FINGERPRINT_ADVICE)
+    dropped = ("manifest-absent", FINGERPRINT_ADVICE, "manifest-written")  # the parts' manifests: in the one note
     reports = [Report(command="fingerprint", target=root, coverage=top.coverage, stats=top.stats,
                       findings=tuple(f for f in top.findings if f.check not in dropped)), *brought]
     read_here = int(top.stats.get("bytes") or 0)
@@ -360,9 +348,8 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tupl
     # Every part's verification before any manifest is written: a failed one refuses them all.
     if not merge_reports("fingerprint", root, reports).passed:
         return refused(_FAILS)
-    for sub in subs:  # each other DCP folder gets its manifest, from its nodes' parts and what is read here
-        if sub in unwritten:
-            continue
+    # Each other DCP folder gets its manifest, from its nodes' parts and what is read here.
+    for sub in (s for s in subs if s not in unwritten):
         # The parts' verification is the folder's (``brought``): here only their files, pieces and units.
         files, executor = parts.get(sub, (frozenset(), None))
         got, manifest = fingerprint_checkpoint(os.path.join(root, sub), force=True, jobs=jobs, trust_uncheckable=True,
@@ -370,9 +357,8 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tupl
                                                                                         target=root, findings=()))])
         read_here += int(got.stats.get("bytes_read_here") or 0)
         opened.extend(f"{sub}/{n}" for n in got.stats.get("opened") or [])
-        keep = tuple(_under(sub, (f for f in got.findings if f.check not in (*dropped, "manifest-written"))))
-        reports.append(Report(command="fingerprint", target=root, findings=keep, coverage=got.coverage,
-                              stats=got.stats))
+        reports.append(Report(command="fingerprint", target=root, coverage=got.coverage, stats=got.stats,
+                              findings=tuple(_under(sub, (f for f in got.findings if f.check not in dropped)))))
         if manifest is None:
             merged = merge_reports("fingerprint", root, reports)
             return result(merged.findings, merged.coverage), None, unwritten

@@ -213,10 +213,8 @@ def _lane_values(lanes: tuple[Any, Any]) -> list[str]:
     """Fingerprint values (lane 0 then lane 1, 16 hex digits each) of pairs of unsigned lane-sum arrays."""
     import numpy as np
 
-    lane0, lane1 = lanes
-    pairs = np.empty((len(lane0), 2), dtype=">u8")  # big-endian: the bytes in the order the hex digits read
-    pairs[:, 0] = lane0
-    pairs[:, 1] = lane1
+    pairs = np.empty((len(lanes[0]), 2), dtype=">u8")  # big-endian: the bytes in the order the hex digits read
+    pairs[:, 0], pairs[:, 1] = lanes
     text = pairs.tobytes().hex()
     return [text[i:i + 32] for i in range(0, len(text), 32)]
 
@@ -232,7 +230,11 @@ def _nonfinite_counts(bits: bytes, dtype: str, counts: list[int]) -> tuple[list[
         values = np.frombuffer(bits, dtype={"float64": np.float64, "float32": np.float32, "float16": np.float16}[dtype])
     if bool(np.isfinite(values).all()):
         return None, None
-    return _segment_sums(np.isnan(values), counts), _segment_sums(np.isinf(values), counts)
+    starts = np.zeros(len(counts), dtype=np.int64)
+    np.cumsum(np.asarray(counts[:-1], dtype=np.int64), out=starts[1:])
+    nan, inf = (np.add.reduceat(flags.astype(np.int64), starts).tolist()
+                for flags in (np.isnan(values), np.isinf(values)))
+    return nan, inf
 
 
 def _whole_lanes(bits: bytes, itemsize: int, counts: list[int], dtype_name: str) -> tuple[Any, Any]:
@@ -248,12 +250,3 @@ def _whole_lanes(bits: bytes, itemsize: int, counts: list[int], dtype_name: str)
     np.cumsum(sizes[:-1], out=starts[1:])
     index = (np.arange(len(w), dtype=np.int64) - np.repeat(starts, sizes)).view(np.uint64)
     return numpy_lanes(w, index, (dtype_seed(dtype_name, 0), dtype_seed(dtype_name, 1)), starts)
-
-
-def _segment_sums(flags: Any, counts: list[int]) -> list[int]:
-    """The number of true values in each consecutive run of ``counts`` of ``flags``."""
-    import numpy as np
-
-    starts = np.zeros(len(counts), dtype=np.int64)
-    np.cumsum(np.asarray(counts[:-1], dtype=np.int64), out=starts[1:])
-    return np.add.reduceat(flags.astype(np.int64), starts).tolist()

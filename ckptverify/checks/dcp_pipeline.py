@@ -269,7 +269,7 @@ class VerificationRun:
         self._hash(layout)
         self._plans.extend(self._extra_plans)
         if deep:
-            self._deep_scan(layout)
+            self._deep_scan()
 
     def _read_manifest(self) -> None:
         try:
@@ -314,8 +314,7 @@ class VerificationRun:
         blobs = self._blobs(layout)
         usable = {n: (s if self._opened.get(n) else None) for n, s in stats.items()}
         self._findings.extend(check_items(layout, usable, blobs))
-        bounded = len(layout.items) if self._only is None and not self._skip else \
-            sum(1 for i in layout.items if self._mine(i.file))
+        bounded = sum(1 for i in layout.items if self._mine(i.file))
         self._coverage.append(CheckCoverage(check="item-bounds", count=bounded, unit="items"))
 
     def _blobs(self, layout: Layout) -> dict[str, tuple[int, int]]:
@@ -398,7 +397,7 @@ class VerificationRun:
             self._release_kept()
         # Stream-transformed items are decoded and judged now; their plans join after the hashing pass.
         transformed = [i for n in names for i in by_file[n] if i.transforms]
-        decoded = self.map(lambda i: self._transformed(i), transformed)
+        decoded = self.map(self._transformed, transformed)
         self._extra_plans.extend(p for p in decoded if p is not None)
 
     def _transformed(self, item: Item) -> ItemPlan | None:
@@ -410,7 +409,7 @@ class VerificationRun:
         with self._lock:
             into = self._results[item.file]
             into.findings.extend(result.findings)
-            for count in ("items", "records", "bytes_hashed", "uncheckable"):
+            for count in ("items", "records", "bytes_hashed"):  # what the stages read of a file's result
                 setattr(into, count, getattr(into, count) + getattr(result, count))
         return plan
 
@@ -473,8 +472,16 @@ class VerificationRun:
             self.advance(p.end - p.start)
             return value
 
+        def unit(w: Any) -> list[Any]:  # a work item as a plain unit another rank can read (cluster.units)
+            p = piece(w)
+            if w[0] == "crc":
+                return ["crc", p.file, p.start, p.end]
+            assert manifest is not None
+            return ["blocks", p.file, p.start, p.end, p.first, p.last, manifest.digest_algorithm, manifest.block_bytes,
+                    [list(r) for r in crc_ranges[w[1]]]]
+
         if self._executor is not None:
-            got = self._executor.map_units(self, [_unit(w, tasks, crc_ranges, manifest) for w in work])
+            got = self._executor.map_units(self, [unit(w) for w in work])
         else:
             got = self.map(run, work)
         results = dict(zip(work, got, strict=True))
@@ -551,7 +558,7 @@ class VerificationRun:
                     location=Location(file=name), expected=manifest.files[name].digest, actual=digest))
         self._coverage.append(CheckCoverage(check="manifest-digest", count=len(todo), unit="whole files"))
 
-    def _deep_scan(self, layout: Layout) -> None:
+    def _deep_scan(self) -> None:
         from ckptverify.checks import deep as deep_check
 
         desc = self.description()
@@ -588,61 +595,44 @@ class VerificationRun:
         :meth:`execute`. ``values``: also plain values of non-tensor items (not those in ``values_skip``);
         ``side_files``: side files merged in (``meta.pt:...``)."""
 
-        from ckptverify.formats.describe import Description
+        from ckptverify.formats.describe import Description, add_side_files
 
         if self._layout is None:
             return Description(root=self.root, format="dcp")
+        from ckptverify.formats.dcp import ReadItem, describe_dcp
+
+        read = []
+        by_manifest, digested, opened = self._manifest_records, self._manifest_items, self._opened.get
         with paused_gc():  # one object per item and payload, no reference cycles (see gcpause)
-            desc = self._describe(values, values_skip, side_files)
+            for plan in self._plans:
+                item, base, reader, header = plan.item, plan.item.offset, plan.reader, plan.header
+                # A subclass's first storage record stands for all (one archive, checked alike).
+                key = header.parts[0][1].storage_key if isinstance(header, SubclassHeader) else \
+                    header.storage_key if header is not None else None
+                rec = plan.archive.record(f"data/{key}") if key is not None else None
+                if reader is None:
+                    reader = opened(item.file)
+                    # A record whose CRC-32 field is 0 over nonzero bytes: saved with CRC-32 disabled.
+                    checksum = "none" if rec is not None and rec.crc == 0 and rec.size else "crc32"
+                    if by_manifest and rec is not None and (item.file, item.offset, rec.name) in by_manifest:
+                        checksum = "manifest"
+                elif isinstance(reader, _Window):  # a tensor of DCP's safetensors blob: its own bytes of the file
+                    item = dataclasses.replace(item, offset=reader.offset)
+                    base, reader = item.offset, reader.file
+                    checksum = "none"
+                else:  # decoded stream transforms: the archive is the decoded bytes'
+                    item = reader.stored
+                    checksum = "crc32"
+                if digested and checksum != "manifest" and (item.file, item.offset, item.length) in digested:
+                    checksum = "manifest" if checksum == "none" else f"{checksum}+manifest"
+                read.append(ReadItem(item, plan.archive, header, base, reader, rec, checksum))
+            desc = describe_dcp(self.root, self._layout, read, files=self._opened, values=values,
+                                values_skip=values_skip)
+            if side_files:
+                add_side_files(desc, self._side_files)
         if self._skip and self._executor is not None:  # other nodes' files, items and pieces, as their parts recorded
             self._executor.describe(desc, self._skip)
         return desc
-
-    def _describe(self, values: bool, values_skip: frozenset[str] | set[str], side_files: bool) -> Description:
-        from ckptverify.formats.dcp import ReadItem, describe_dcp
-        from ckptverify.formats.describe import add_side_files
-
-        assert self._layout is not None
-        read = []
-        by_manifest, digested, opened = self._manifest_records, self._manifest_items, self._opened.get
-        for plan in self._plans:
-            item, base, reader, header = plan.item, plan.item.offset, plan.reader, plan.header
-            # A subclass's first storage record stands for all (one archive, checked alike).
-            key = header.parts[0][1].storage_key if isinstance(header, SubclassHeader) else \
-                header.storage_key if header is not None else None
-            rec = plan.archive.record(f"data/{key}") if key is not None else None
-            if reader is None:
-                reader = opened(item.file)
-                # A record whose CRC-32 field is 0 over nonzero bytes: saved with CRC-32 disabled.
-                checksum = "none" if rec is not None and rec.crc == 0 and rec.size else "crc32"
-                if by_manifest and rec is not None and (item.file, item.offset, rec.name) in by_manifest:
-                    checksum = "manifest"
-            elif isinstance(reader, _Window):  # a tensor of DCP's safetensors blob: its own bytes of the file
-                item = dataclasses.replace(item, offset=reader.offset)
-                base, reader = item.offset, reader.file
-                checksum = "none"
-            else:  # decoded stream transforms: the archive is the decoded bytes'
-                item = reader.stored
-                checksum = "crc32"
-            if digested and checksum != "manifest" and (item.file, item.offset, item.length) in digested:
-                checksum = "manifest" if checksum == "none" else f"{checksum}+manifest"
-            read.append(ReadItem(item, plan.archive, header, base, reader, rec, checksum))
-        desc = describe_dcp(self.root, self._layout, read, files=self._opened, values=values, values_skip=values_skip)
-        if side_files:
-            add_side_files(desc, self._side_files)
-        return desc
-
-
-def _unit(w: Any, tasks: list[manifest_check.BlockTask], crc_ranges: list[list[tuple[int, int]]],
-          manifest: Manifest | None) -> list[Any]:
-    """A work item of the hashing pass as a plain unit another rank can read (:mod:`ckptverify.cluster.units`)."""
-    kind, what = w
-    if kind == "crc":
-        return ["crc", what.file, what.start, what.end]
-    task = tasks[what]
-    assert manifest is not None
-    return ["blocks", task.file, task.start, task.end, task.first, task.last, manifest.digest_algorithm,
-            manifest.block_bytes, [list(r) for r in crc_ranges[what]]]
 
 
 class _Window(NamedTuple):

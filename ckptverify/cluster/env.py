@@ -34,22 +34,23 @@ def detect(environ: dict[str, str] | None = None) -> ClusterEnv | None:
     env = os.environ if environ is None else environ
     if env.get("CKPTVERIFY_CLUSTER") == "off":
         return None
-    if env.get("CKPTVERIFY_CLUSTER") == "local" or env.get("TORCHELASTIC_RUN_ID"):
-        launcher = "local" if env.get("CKPTVERIFY_CLUSTER") == "local" else "torchrun"
-        world = _int(env, "WORLD_SIZE", launcher)
-        if world <= 1:
-            return None
-        rank = _int(env, "RANK", launcher)
-        local_world = _int(env, "LOCAL_WORLD_SIZE", launcher) if env.get("LOCAL_WORLD_SIZE") else world
+    local = env.get("CKPTVERIFY_CLUSTER") == "local"
+    if local or env.get("TORCHELASTIC_RUN_ID"):
+        launcher, world_key, rank_key = "local" if local else "torchrun", "WORLD_SIZE", "RANK"
     elif env.get("SLURM_PROCID") is not None and env.get("SLURM_STEP_NUM_TASKS"):
-        launcher = "slurm"
-        world = _int(env, "SLURM_STEP_NUM_TASKS", launcher)
-        if world <= 1:
-            return None
-        rank = _int(env, "SLURM_PROCID", launcher)
-        local_world = _tasks_here(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or "")
+        launcher, world_key, rank_key = "slurm", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID"
     else:
         return None
+    world = _int(env, world_key, launcher)
+    if world <= 1:
+        return None
+    rank = _int(env, rank_key, launcher)
+    if launcher == "slurm":
+        # Tasks on the first node of a ``TASKS_PER_NODE`` spec (``4(x2),3``), taken as this node's.
+        m = re.match(r"\s*(\d+)", env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or "")
+        local_world = int(m.group(1)) if m else 1
+    else:
+        local_world = _int(env, "LOCAL_WORLD_SIZE", launcher) if env.get("LOCAL_WORLD_SIZE") else world
     if not 0 <= rank < world:
         raise UsageError(f"rank {rank} is outside the world of {world} ranks the {launcher} environment gives")
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
@@ -73,12 +74,6 @@ def _int(env: dict[str, str] | os._Environ[str], key: str, launcher: str) -> int
         return int(str(value).strip())
     except ValueError:
         raise UsageError(f"running under {launcher}, {key} must be an integer, got {value!r}") from None
-
-
-def _tasks_here(spec: str) -> int:
-    """Tasks on the first node of a Slurm ``TASKS_PER_NODE`` spec (``4(x2),3``), taken as this node's."""
-    m = re.match(r"\s*(\d+)", spec)
-    return int(m.group(1)) if m else 1
 
 
 def cores_per_rank(local_world_size: int) -> int:

@@ -5,6 +5,7 @@ report; every other rank calls :meth:`Session.serve` until rank 0 says it is don
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import signal
 from collections import defaultdict
@@ -12,7 +13,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ckptverify.cluster.env import ClusterEnv, cores_per_rank, detect
+from ckptverify.cluster.env import cores_per_rank, detect
 from ckptverify.cluster.group import CommandRanks, connect
 from ckptverify.cluster.split import assign, balance
 from ckptverify.cluster.units import (
@@ -60,17 +61,11 @@ def open_session(command: str, path: str, *, readers: int | None, rank_timeout: 
         return session
     if env is None:
         return None
-    return _join(env, command, path, rank_timeout, jobs)
-
-
-def _join(env: ClusterEnv, command: str, path: str, timeout: float, jobs: int | None) -> Session:
     # torchrun's agent hosts the store; under srun and --readers, rank 0 does.
     agent = env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    server = connect(env.master_addr, env.master_port, env.world_size, timeout,
-                     server=True) if env.rank == 0 and not agent and env.launcher != "local" else None
-    store = server or connect(env.master_addr, env.master_port, env.world_size, timeout, server=False)
-    beat = connect(env.master_addr, env.master_port, env.world_size, timeout, server=False)
-    group = CommandRanks(store, beat, env.rank, env.world_size, timeout, _namespace())
+    meet = (env.master_addr, env.master_port, env.world_size, rank_timeout)
+    store = connect(*meet, server=env.rank == 0 and not agent and env.launcher != "local")
+    group = CommandRanks(store, connect(*meet, server=False), env.rank, env.world_size, rank_timeout, _namespace())
     session = Session(group, path, jobs or cores_per_rank(env.local_world_size), env.launcher, None)
     group.start(command, path)
     return session
@@ -104,7 +99,7 @@ class Session:
 
         pool = ThreadPoolExecutor(max_workers=self.jobs, thread_name_prefix="ckptverify-rank")
         try:
-            for k in range(1 << 62):
+            for k in itertools.count():
                 msg = group.collect({0: f"round/{k}"}, "waiting for work")[0]
                 if msg.get("kind") != "work":
                     group.send(f"bye/{group.rank}", True, "bye")  # rank 0 may host the store: it waits for this
@@ -124,7 +119,6 @@ class Session:
                 except Exception as exc:  # reported by rank 0, which names this rank
                     reply = {"error": "failed", "message": f"{type(exc).__name__}: {exc}"[:500]}
                 group.send(f"result/{k}/{group.rank}", reply, f"result/{k}")
-            return 0  # pragma: no cover - unreachable
         finally:
             pool.shutdown(wait=False)
             files.close()
@@ -146,7 +140,7 @@ class Session:
             return
         self._closed = True
         try:
-            if self.is_root and self.executor is not None:
+            if self.executor is not None:
                 try:
                     self.group.set(f"round/{self.executor.round}", {"kind": "done"})
                     # Under srun rank 0 hosts the store: the others must have read "done" before it goes.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 from ckptverify.errors import FileChangedError
@@ -51,13 +52,6 @@ def unit_range(unit: Unit, size_of: Callable[[str], int]) -> tuple[str, int, int
     return None
 
 
-class _Hashing:
-    """What :func:`~ckptverify.checks.manifest_check.hash_task` needs of a manifest."""
-
-    def __init__(self, algorithm: str, block_bytes: int) -> None:
-        self.digest_algorithm, self.block_bytes = algorithm, block_bytes
-
-
 def execute(unit: Unit, open_file: Callable[[str], Any], root: str, jobs: int | None = 1) -> Any:
     """Read one unit via ``open_file(name)`` and return its JSON-able result; ``jobs``: workers for a whole checkpoint.
     """
@@ -70,8 +64,8 @@ def execute(unit: Unit, open_file: Callable[[str], Any], root: str, jobs: int | 
 
         _, name, start, end, first, last, algorithm, bb, crc_ranges = unit
         task = BlockTask(name, 0, first, last, start, end)
-        digests, crcs = hash_task(open_file(name), task, _Hashing(algorithm, bb),  # type: ignore[arg-type]
-                                  [tuple(r) for r in crc_ranges])
+        hashing = SimpleNamespace(digest_algorithm=algorithm, block_bytes=bb)  # what hash_task needs of a manifest
+        digests, crcs = hash_task(open_file(name), task, hashing, [tuple(r) for r in crc_ranges])  # type: ignore[arg-type]
         return [list(digests), list(crcs)]
     if kind == "digest":
         from ckptverify.fingerprint import digest_reader

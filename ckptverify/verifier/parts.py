@@ -381,8 +381,7 @@ def _summarize(path: str, nodes: list[dict[str, Any]], mine: Any, reports: list[
     error first per failed part). ``whole``: ``mine`` already holds the others' findings."""
     from ckptverify.findings import Report, error, merge_reports
 
-    own = nodes[0]
-    own_data = {**_whose(own), "bytes": int(mine_bytes or 0), "seconds": mine.stats.get("seconds")}
+    own_data = {**_whose(nodes[0]), "bytes": int(mine_bytes or 0), "seconds": mine.stats.get("seconds")}
     parts = [_part_summary(own_data, mine), *(_part_summary(d, r) for d, r in reports)]
     named: list[Any] = []
     for k, part in enumerate(parts):
