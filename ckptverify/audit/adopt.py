@@ -104,19 +104,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
             if replica_findings:
                 return _refusal(checked, "replicas of a chunk differ; refusing to write a manifest that would bless "
                                 "the checkpoint", *replica_findings), None
-            tensors: dict[str, TensorEntry] = {}
-            unfingerprinted = 0
-            for fqn, tinfo in desc.tensors.items():
-                scan = scans.get(fqn)
-                value = scan.value(tinfo.shape) if scan is not None else None
-                if value is None and 0 not in tinfo.shape:
-                    unfingerprinted += 1
-                inner = tuple(scan.part_values.items()) if scan is not None and scan.part_values and value else None
-                # The counts as a save keeps them: for the dtypes it counts, and only once every chunk was counted.
-                counted = scan is not None and counts_kept(tinfo.dtype) and not scan.uncounted
-                tensors[fqn] = TensorEntry(dtype=tinfo.dtype, shape=tinfo.shape, fingerprint=value,
-                                           nan_count=scan.nan if counted else None,
-                                           inf_count=scan.inf if counted else None, parts=inner)
+            tensors, unfingerprinted = _tensor_entries(desc, scans)
             ranks = {int(m.group(1)) for n in files if (m := _RANK_FILE.match(n))}
             manifest = _manifest(digest_algorithm=digest, block_bytes=block_bytes, items=tuple(entries), files=files,
                                  tensors=tensors, metadata_files=metadata, world_size=max(ranks) + 1 if ranks else 1)
@@ -141,6 +129,25 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     findings = tuple(f for f in checked.findings if f.check != "manifest-absent") + tuple(notes)
     return Report(command="fingerprint", target=root, findings=findings, coverage=merge_coverage(coverage),
                   stats=checked.stats), manifest
+
+
+def _tensor_entries(desc: Any, scans: dict[str, Any]) -> tuple[dict[str, TensorEntry], int]:
+    """The manifest's entry of each tensor of ``desc`` from its scan, and how many non-empty ones have no fingerprint.
+    """
+    tensors: dict[str, TensorEntry] = {}
+    unfingerprinted = 0
+    for fqn, tinfo in desc.tensors.items():
+        scan = scans.get(fqn)
+        value = scan.value(tinfo.shape) if scan is not None else None
+        if value is None and 0 not in tinfo.shape:
+            unfingerprinted += 1
+        inner = tuple(scan.part_values.items()) if scan is not None and scan.part_values and value else None
+        # The counts as a save keeps them: for the dtypes it counts, and only once every chunk was counted.
+        counted = scan is not None and counts_kept(tinfo.dtype) and not scan.uncounted
+        tensors[fqn] = TensorEntry(dtype=tinfo.dtype, shape=tinfo.shape, fingerprint=value,
+                                   nan_count=scan.nan if counted else None,
+                                   inf_count=scan.inf if counted else None, parts=inner)
+    return tensors, unfingerprinted
 
 
 def _manifest(**fields: Any) -> Manifest:
