@@ -138,31 +138,18 @@ def _plain(state: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
 
     from ckptverify.state.train_state import TrainState, pending_gradients_warning
 
-    if isinstance(state, TrainState):
-        model: Any = state.model
-    elif isinstance(state, dict):
+    model: Any = state.model if isinstance(state, TrainState) else None
+    if isinstance(state, dict):
         # A module among the values, or a wrapper holding the model as torchtitan's ModelWrapper does.
         model = []
         for value in state.values():
             inner = value if isinstance(value, torch.nn.Module) else getattr(value, "model", None)
             inner = inner if isinstance(inner, list | tuple) else [inner]
             model += [m for m in inner if isinstance(m, torch.nn.Module)]
-    else:
-        model = None
     text = pending_gradients_warning(model, f"the checkpoint {os.fspath(path)}") if model else None
     if text is not None:
         warnings.warn(text, CkptVerifyWarning, stacklevel=3)
     return state.state_dict() if isinstance(state, TrainState) else state
-
-
-def _step(state: Any, path: str | os.PathLike[str]) -> int | None:
-    """The training step a checkpoint holds: a TrainState's step counter, else the one its name carries."""
-    from ckptverify.formats.rundir import step_of
-    from ckptverify.state.train_state import TrainState
-
-    if isinstance(state, TrainState):
-        return int(state.counters.step)
-    return step_of(os.path.basename(os.path.normpath(os.fspath(path))))
 
 
 def _raise(verification: dict[str, Any] | None, prefix: str = "") -> None:
@@ -317,10 +304,14 @@ def _save(where: str, state_dict: Any, path: str | os.PathLike[str], *, digest: 
     import torch.distributed.checkpoint as dcp
 
     from ckptverify.dcp.writer import HashingFileSystemWriter
+    from ckptverify.formats.rundir import step_of
+    from ckptverify.state.train_state import TrainState
     from ckptverify.verifier.background import AfterSave, node_hosts
 
     options = AfterSave(verify=verify_options(where, verify), on_verified=on_verified, events=events)
-    step = _step(state_dict, path)
+    # The training step the checkpoint holds: a TrainState's step counter, else the one its directory's name carries.
+    step = (int(state_dict.counters.step) if isinstance(state_dict, TrainState)
+            else step_of(os.path.basename(os.path.normpath(os.fspath(path)))))
     state_dict = _plain(state_dict, path)
     writer_kw, save_kw = _split_kwargs(dcp_kwargs, ASYNC_SAVE_KWARGS if where == "async_save" else SAVE_KWARGS)
     group = Group() if save_kw.get("no_dist") else torch_group(process_group)

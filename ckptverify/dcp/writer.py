@@ -371,12 +371,9 @@ class _HashingFileSystem(FileSystem):
         #: The pool jobs that fingerprint them (they may run on after the write of their chunk returned).
         self.fused_jobs: list[Any] = []
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __reduce__(self) -> tuple[Any, ...]:
         # The lock, records and fused chunks belong to this process: a copy starts afresh.
-        return {"algorithm": self.algorithm, "block_bytes": self.block_bytes}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(**state)  # type: ignore[misc]
+        return _HashingFileSystem, (self.algorithm, self.block_bytes)
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
@@ -548,9 +545,7 @@ class HashingFileSystemWriter(FileSystemWriter):
 
     def __getstate__(self) -> dict[str, Any]:
         # The lock is a descriptor of its process: a pickled writer takes its own.
-        state = dict(self.__dict__)
-        state["_lock"] = None
-        return state
+        return {**self.__dict__, "_lock": None}
 
     # -- writing
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
