@@ -69,30 +69,6 @@ def _split_kwargs(kwargs: dict[str, Any], allowed: frozenset[str]) -> tuple[dict
     return writer_kw, dcp_kw
 
 
-def _make_writer(
-    path: str | os.PathLike[str],
-    digest: str,
-    block_bytes: int,
-    fingerprint: bool,
-    thread_count: int,
-    writer_kw: dict[str, Any],
-) -> HashingFileSystemWriter:
-    from ckptverify.dcp.writer import HashingFileSystemWriter
-
-    if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
-        raise UsageError(f"thread_count must be a positive integer, got {thread_count!r}")
-    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
-        raise UsageError(f"path must be a local directory path, got {path!r}")
-    return HashingFileSystemWriter(  # checks digest and block size
-        os.fspath(path),
-        digest=digest,
-        block_bytes=block_bytes,
-        fingerprint=fingerprint,
-        thread_count=thread_count,
-        **writer_kw,
-    )
-
-
 def save_error(exc: BaseException, path: str | os.PathLike[str]) -> BaseException:
     """A failed DCP save as raised: a conflict or usage error as itself (the same type on every rank), anything else as
     :class:`SaveFailedError` naming the first failure."""
@@ -162,31 +138,18 @@ def _plain(state: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
 
     from ckptverify.state.train_state import TrainState, pending_gradients_warning
 
-    if isinstance(state, TrainState):
-        model: Any = state.model
-    elif isinstance(state, dict):
+    model: Any = state.model if isinstance(state, TrainState) else None
+    if isinstance(state, dict):
         # A module among the values, or a wrapper holding the model as torchtitan's ModelWrapper does.
         model = []
         for value in state.values():
             inner = value if isinstance(value, torch.nn.Module) else getattr(value, "model", None)
             inner = inner if isinstance(inner, list | tuple) else [inner]
             model += [m for m in inner if isinstance(m, torch.nn.Module)]
-    else:
-        model = None
     text = pending_gradients_warning(model, f"the checkpoint {os.fspath(path)}") if model else None
     if text is not None:
         warnings.warn(text, CkptVerifyWarning, stacklevel=3)
     return state.state_dict() if isinstance(state, TrainState) else state
-
-
-def _step(state: Any, path: str | os.PathLike[str]) -> int | None:
-    """The training step a checkpoint holds: a TrainState's step counter, else the one its name carries."""
-    from ckptverify.formats.rundir import step_of
-    from ckptverify.state.train_state import TrainState
-
-    if isinstance(state, TrainState):
-        return int(state.counters.step)
-    return step_of(os.path.basename(os.path.normpath(os.fspath(path))))
 
 
 def _raise(verification: dict[str, Any] | None, prefix: str = "") -> None:
@@ -340,34 +303,40 @@ def _save(where: str, state_dict: Any, path: str | os.PathLike[str], *, digest: 
     verification after commit."""
     import torch.distributed.checkpoint as dcp
 
+    from ckptverify.dcp.writer import HashingFileSystemWriter
+    from ckptverify.formats.rundir import step_of
+    from ckptverify.state.train_state import TrainState
     from ckptverify.verifier.background import AfterSave, node_hosts
 
     options = AfterSave(verify=verify_options(where, verify), on_verified=on_verified, events=events)
-    step = _step(state_dict, path)
+    # The training step the checkpoint holds: a TrainState's step counter, else the one its directory's name carries.
+    step = (int(state_dict.counters.step) if isinstance(state_dict, TrainState)
+            else step_of(os.path.basename(os.path.normpath(os.fspath(path)))))
     state_dict = _plain(state_dict, path)
     writer_kw, save_kw = _split_kwargs(dcp_kwargs, ASYNC_SAVE_KWARGS if where == "async_save" else SAVE_KWARGS)
     group = Group() if save_kw.get("no_dist") else torch_group(process_group)
     _raise_earlier_failures(options, group)
-    writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
+    if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+        raise UsageError(f"thread_count must be a positive integer, got {thread_count!r}")
+    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+        raise UsageError(f"path must be a local directory path, got {path!r}")
+    writer = HashingFileSystemWriter(os.fspath(path), digest=digest, block_bytes=block_bytes, fingerprint=fingerprint,
+                                     thread_count=thread_count, **writer_kw)  # checks digest and block size
     # Each rank's node when the background verification is shared among nodes (more than one).
     hosts = node_hosts(group) if options.verify.when == "background" else None
     with warnings.catch_warnings():
         # Saving in a single process without a process group is intended here, not a mistake.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         if where == "async_save":
-            return _start_async(dcp, state_dict, writer, path, process_group, save_kw,
-                                _after_upload(options, path, step, group, hosts))
+            after_commit = _after_upload(options, path, step, group, hosts)
+            response = _run(lambda: dcp.async_save(state_dict, storage_writer=writer, process_group=process_group,
+                                                   **save_kw), writer, path, upload=True)
+            upload = getattr(response, "upload_completion", None)
+            if upload is not None:
+                return dataclasses.replace(response, upload_completion=_translated(upload, writer, path, after_commit))
+            return _translated(response, writer, path, after_commit)
         _run(lambda: dcp.save(state_dict, storage_writer=writer, process_group=process_group, **save_kw),
              writer, path)
     _verify_committed(options, path, step, group, hosts)
     return writer.manifest if writer.is_coordinator else None
 
-
-def _start_async(dcp: Any, state_dict: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str],
-                 process_group: Any, save_kw: dict[str, Any], after_commit: Callable[[], object] | None) -> Any:
-    response = _run(lambda: dcp.async_save(state_dict, storage_writer=writer, process_group=process_group, **save_kw),
-                    writer, path, upload=True)
-    upload = getattr(response, "upload_completion", None)
-    if upload is not None:
-        return dataclasses.replace(response, upload_completion=_translated(upload, writer, path, after_commit))
-    return _translated(response, writer, path, after_commit)

@@ -67,10 +67,6 @@ class SaveLock:
         if fd is not None:
             os.close(fd)  # closing the only descriptor of the open file drops the flock
 
-    @property
-    def held(self) -> bool:
-        return self.fd is not None
-
     def __del__(self) -> None:
         # A failed writer nobody releases lets go of the directory when collected.
         with contextlib.suppress(Exception):
@@ -82,10 +78,9 @@ class SaveLock:
 
 def _holder(fd: int) -> str:
     try:
-        data = os.pread(fd, MARKER_MAX_BYTES, 0)
+        info = _parse_marker(os.pread(fd, MARKER_MAX_BYTES, 0))
     except OSError:
-        return "another process"
-    info = _parse_marker(data)
+        info = None
     return describe_marker(info) if info else "another process"
 
 
@@ -116,27 +111,20 @@ def begin_save(root: str, save_id: str) -> SaveLock:
             if now is None or (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
                 os.close(fd)
                 continue
+            import socket  # here: only a save names its host, and verify should not pay the import at start-up
+
+            record = {"save_id": save_id, "pid": os.getpid(), "host": socket.gethostname(),
+                      "started": datetime.now(UTC).isoformat(timespec="seconds")}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+            os.fsync(fd)
+            _fsync_dir(root)
+            return SaveLock(root, fd, save_id)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.close(fd)
             raise
-        break
-    else:  # pragma: no cover - needs 100 commits racing this one
-        raise SaveFailedError(f"could not lock {root}: other saves keep committing into it")
-    import socket  # here: only a save names its host, and verify should not pay the import at start-up
-
-    try:
-        record = {"save_id": save_id, "pid": os.getpid(), "host": socket.gethostname(),
-                  "started": datetime.now(UTC).isoformat(timespec="seconds")}
-        data = json.dumps(record).encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
-        os.fsync(fd)
-        _fsync_dir(root)
-    except BaseException:
-        os.close(fd)
-        raise
-    return SaveLock(root, fd, save_id)
+    raise SaveFailedError(f"could not lock {root}: other saves keep committing into it")  # pragma: no cover - a race
 
 
 def invalidate_previous(root: str, manifest_file: str) -> None:
@@ -176,8 +164,14 @@ def read_marker(root: str) -> dict[str, Any] | None:
     path = os.path.join(root, MARKER_FILE)
     if not paths.lexists(path):
         return None
-    if paths.is_url(path):
-        return _read_remote_marker(path)
+    if paths.is_url(path):  # an object: no links, nothing that blocks
+        from ckptverify.safeparse.readers import ReadOnlyFile
+
+        try:
+            with ReadOnlyFile(path) as f:
+                return _parse_marker(f.pread(0, MARKER_MAX_BYTES)) or {}
+        except OSError:
+            return {}
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -190,14 +184,3 @@ def read_marker(root: str) -> dict[str, Any] | None:
         return {}
     finally:
         os.close(fd)
-
-
-def _read_remote_marker(url: str) -> dict[str, Any]:
-    """:func:`read_marker` for an object (no links, nothing that blocks): its first bytes, parsed."""
-    from ckptverify.safeparse.readers import ReadOnlyFile
-
-    try:
-        with ReadOnlyFile(url) as f:
-            return _parse_marker(f.pread(0, MARKER_MAX_BYTES)) or {}
-    except OSError:
-        return {}

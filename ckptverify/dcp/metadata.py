@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ckptverify.dcp import metadata_pickle as sp
@@ -83,9 +83,9 @@ class ParsedMetadata:
     planner_data: Any
     storage_meta: StorageMetaInfo | None
     version: str | None
-    extras: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, Any]
     #: Storage entries whose path leaves the directory (reported, not usable).
-    unsafe_paths: list[tuple[str, tuple[int, ...] | None, str]] = field(default_factory=list)
+    unsafe_paths: list[tuple[str, tuple[int, ...] | None, str]]
 
 
 # -------- Files.
@@ -114,15 +114,13 @@ def parse_metadata(data: bytes, name: str = METADATA_FILE) -> ParsedMetadata:
     """Parse and validate one metadata file's bytes. Raises :class:`~ckptverify.errors.UnsafeGlobal` or
     :class:`~ckptverify.errors.BadPickle` (budget, or a structure DCP never writes)."""
     with paused_gc():
-        tree = sp.parse(data)
-        return _validate_metadata(tree, name)
+        return _validate_metadata(sp.parse(data), name)
 
 
 def read_layout(root: str) -> tuple[Layout | None, list[Finding]]:
     """Read and validate all metadata at ``root``, executing nothing. Returns the merged layout (``None`` if none
     could be trusted) and findings (``metadata-missing``/``-unreadable``/``-unsafe``/``-inconsistent``/``-stray``)."""
-    layout, findings, _ = read_all(root)
-    return layout, findings
+    return read_all(root)[:2]
 
 
 @paused_gc()
@@ -181,8 +179,6 @@ def _read_one(root: str, name: str, rank: int | None) -> ParsedMetadata | Findin
         raise  # the store failed, not the checkpoint: the command could not run
     except OSError as exc:
         return error("metadata-unreadable", f"cannot read {name}: {exc.strerror or exc}", location=where)
-    except BadPickle as exc:
-        return error("metadata-unreadable", str(exc), location=where)
     try:
         return parse_metadata(data, name)
     except UnsafeGlobal as exc:
@@ -281,9 +277,7 @@ def _properties(value: Any, what: str) -> TensorProps:
 
 def _chunk(value: Any, what: str) -> Chunk:
     f = _obj(value, "ChunkStorageMetadata", what)
-    offsets = _dims(f["offsets"], f"offsets of {what}")
-    sizes = _dims(f["sizes"], f"sizes of {what}")
-    return Chunk(offsets, sizes)
+    return Chunk(_dims(f["offsets"], f"offsets of {what}"), _dims(f["sizes"], f"sizes of {what}"))
 
 
 def _index(value: Any, what: str) -> tuple[str, tuple[int, ...] | None, int | None]:
@@ -309,10 +303,8 @@ def _storage_meta(value: Any) -> StorageMetaInfo | None:
     f = _obj(value, "StorageMeta", "storage_meta")
     cid = f["checkpoint_id"]
     is_path = isinstance(cid, sp.Path)
-    if is_path:
-        cid = cid.value
     modules = tuple(_str(m, "a storage_meta module") for m in _seq(f["modules"], "storage_meta modules"))
-    return StorageMetaInfo(_opt_str(cid, "storage_meta checkpoint_id"), is_path,
+    return StorageMetaInfo(_opt_str(cid.value if is_path else cid, "storage_meta checkpoint_id"), is_path,
                            _opt_str(f["save_id"], "storage_meta save_id", 256),
                            _opt_str(f["load_id"], "storage_meta load_id", 256), modules)
 
@@ -410,10 +402,9 @@ def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
     storage_raw = fields["storage_data"]
     if not isinstance(storage_raw, sp.PDict):
         raise BadPickle("storage_data is not a dict (was the checkpoint written by FileSystemWriter?)")
-    parsed = ParsedMetadata(name=name, entries=entries, properties=properties, storage=[], planner_data=None,
-                            storage_meta=None, version=None)
     seen: set[tuple[str, tuple[int, ...] | None]] = set()
-    storage = parsed.storage
+    storage: list[StorageEntry] = []
+    unsafe_paths: list[tuple[str, tuple[int, ...] | None, str]] = []
     for key, info in storage_raw.items:
         fqn, chunk_offsets, hint = _storage_key(key)
         if (fqn, chunk_offsets) in seen:
@@ -434,17 +425,15 @@ def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
             _str(t, "a transform descriptor", 256) for t in _seq(transforms_raw, f"transforms of {fqn!r}"))
         rel = interned.path(raw_path)
         if rel is None:
-            parsed.unsafe_paths.append((fqn, chunk_offsets, raw_path[:200] if type(raw_path) is str
-                                        else _short(raw_path)))
+            unsafe_paths.append((fqn, chunk_offsets, raw_path[:200] if type(raw_path) is str else _short(raw_path)))
             continue
         storage.append(StorageEntry(fqn, chunk_offsets, hint, rel, start, length, transforms))
 
-    parsed.planner_data = _inert(fields["planner_data"], "planner_data")
-    parsed.storage_meta = _storage_meta(fields["storage_meta"])
-    parsed.version = _opt_str(fields["version"], "version", 64)
-    for extra in sorted(set(fields) - sp.KINDS["Metadata"].field_set):
-        parsed.extras[extra] = _inert(fields[extra], extra)
-    return parsed
+    planner_data = _inert(fields["planner_data"], "planner_data")
+    storage_meta = _storage_meta(fields["storage_meta"])
+    version = _opt_str(fields["version"], "version", 64)
+    extras = {extra: _inert(fields[extra], extra) for extra in sorted(set(fields) - sp.KINDS["Metadata"].field_set)}
+    return ParsedMetadata(name, entries, properties, storage, planner_data, storage_meta, version, extras, unsafe_paths)
 
 
 # Inert data: what planner_data and writer-attached fields may hold.
@@ -517,20 +506,17 @@ def _planner_children(v: sp.Obj, where: str) -> list[tuple[Any, str]]:
             _chunk(td["chunk"], f"a write item chunk in {where}")
             _properties(td["properties"], f"a write item in {where}")
             _dims(td["size"], f"a write item size in {where}")
-        return []
-    if kind == "_StoragePrefix":
+    elif kind == "_StoragePrefix":
         _str(f["prefix"], f"a storage prefix in {where}")
-        return []
-    if kind == "MetadataIndex":
+    elif kind == "MetadataIndex":
         _index(v, where)
-        return []
-    if kind == "ChunkStorageMetadata":
+    elif kind == "ChunkStorageMetadata":
         _chunk(v, where)
-        return []
-    if kind == "StorageMeta":
+    elif kind == "StorageMeta":
         _storage_meta(v)
-        return []
-    raise BadPickle(f"{where} holds a {kind}, which belongs elsewhere in DCP metadata")
+    else:
+        raise BadPickle(f"{where} holds a {kind}, which belongs elsewhere in DCP metadata")
+    return []
 
 
 # -------- Merging validated files into the layout the checks use: linear in entries and chunks.

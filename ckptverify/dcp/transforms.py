@@ -86,7 +86,7 @@ class DecodedItem(Folding):
         self.item = replace(stored, offset=0, length=len(data), transforms=())
         self._f = f
         self._registry = registry
-        _hold(self, data)
+        _held.owner, _held.data = self, data
 
     @property
     def data(self) -> bytes:
@@ -97,7 +97,7 @@ class DecodedItem(Folding):
                       registry=self._registry)
         if len(data) != self.size:
             raise TransformError("the item decodes differently from when it was first read")
-        _hold(self, data)
+        _held.owner, _held.data = self, data
         return data
 
     def drop(self) -> None:
@@ -120,11 +120,8 @@ class DecodedItem(Folding):
         self.drop()
 
 
+#: The decoded item each thread holds (``owner``) and its bytes (``data``).
 _held = threading.local()
-
-
-def _hold(owner: DecodedItem, data: bytes) -> None:
-    _held.owner, _held.data = owner, data
 
 
 def decoded_item(f: ReadOnlyFile, item: Item, *, registry: Any = None) -> DecodedItem:

@@ -323,8 +323,11 @@ class _DigestLane:
                     self._cond.notify_all()
             if self._fused is not None and not failed:
                 # After the piece is done: the fingerprint reads the chunk's memory (kept alive by the storage writer),
-                # so the write need not wait for it.
-                _advance(self._fused, end)
+                # so the write need not wait for it. A failure leaves it incomplete (fingerprinted after the write).
+                try:
+                    self._fused.advance(end)
+                except Exception as exc:  # pragma: no cover - a kernel failing here fails the same way on its own
+                    _log.debug("fingerprint beside the write stopped: %s", exc)
 
     def wait(self, most: int) -> None:
         """Return once at most ``most`` pieces are pending; raise what a digest raised."""
@@ -352,15 +355,6 @@ class _DigestLane:
                                     or self._job is None)
 
 
-def _advance(fused: BlockwiseFingerprint, end: int) -> None:
-    """Fingerprint the blocks of ``fused`` written so far; a failure leaves it incomplete (fingerprinted after the
-    write instead), never fails the write."""
-    try:
-        fused.advance(end)
-    except Exception as exc:  # pragma: no cover - a kernel failing here fails the same way on its own
-        _log.debug("fingerprint beside the write stopped: %s", exc)
-
-
 class _HashingFileSystem(FileSystem):
     """DCP's local :class:`FileSystem` with every write stream wrapped in a hashing stream; records kept by absolute
     path until :meth:`take_records`."""
@@ -377,12 +371,9 @@ class _HashingFileSystem(FileSystem):
         #: The pool jobs that fingerprint them (they may run on after the write of their chunk returned).
         self.fused_jobs: list[Any] = []
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __reduce__(self) -> tuple[Any, ...]:
         # The lock, records and fused chunks belong to this process: a copy starts afresh.
-        return {"algorithm": self.algorithm, "block_bytes": self.block_bytes}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(**state)  # type: ignore[misc]
+        return _HashingFileSystem, (self.algorithm, self.block_bytes)
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
@@ -554,9 +545,7 @@ class HashingFileSystemWriter(FileSystemWriter):
 
     def __getstate__(self) -> dict[str, Any]:
         # The lock is a descriptor of its process: a pickled writer takes its own.
-        state = dict(self.__dict__)
-        state["_lock"] = None
-        return state
+        return {**self.__dict__, "_lock": None}
 
     # -- writing
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -649,11 +638,11 @@ class HashingFileSystemWriter(FileSystemWriter):
             if record is None:
                 raise RuntimeError(f"no hashing stream wrote {info.relative_path} (item {wr.index.fqn!r})")
             used.add(_key(path))
-            segment = record.segments.get((info.offset, info.length))
-            if segment is None and info.length == 0:
-                segment = _Segment(new_digest(self.digest).hexdigest(), ())
             span = (info.offset, info.length)
-            if segment is None and info.length:
+            segment = record.segments.get(span)
+            if segment is None and not info.length:
+                segment = _Segment(new_digest(self.digest).hexdigest(), ())
+            elif segment is None:
                 # Safetensors-format tensors all point at the blob's start: digest their own range (from the blob
                 # header) from the closed file.
                 span = _blob_range(blobs, path, info.offset, wr.index.fqn) or span
@@ -704,7 +693,13 @@ class HashingFileSystemWriter(FileSystemWriter):
         from ckptverify.fingerprint import kernels
 
         facts: dict[MetadataIndex, _ChunkFacts] = {}
-        large = _large_chunk_bytes(plan)
+        # Bytes of chunks big enough for the compiled kernel (complex counts two), by the kernel compilation each takes.
+        large: dict[torch.dtype | None, int] = {}
+        for _, td in _tensor_items(plan):
+            numel, dtype = td.chunk.sizes.numel(), td.properties.dtype
+            if numel * (2 if dtype.is_complex else 1) >= kernels.COMPILED_BLOCK:
+                kernel = kernels.cpu_kernel_dtype(dtype)
+                large[kernel] = large.get(kernel, 0) + numel * dtype.itemsize
         with torch.no_grad(), kernels.thread_limit(FINGERPRINT_THREADS):
             for item, _ in _tensor_items(plan):
                 if item.index in skip:
@@ -728,28 +723,22 @@ class HashingFileSystemWriter(FileSystemWriter):
             with paused_gc():  # the manifest of many items: as in write_data
                 self._finish(metadata, results)
             if self._lock is not None:
-                lock, self._lock = self._lock, None
-                lock.commit()
+                self._lock.commit()  # releases it
         finally:
             self._release_lock()
 
     def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        plain_results: list[list[WriteResult]] = []
-        hashed: list[tuple[MetadataIndex, HashedStorageInfo]] = []
-        for wr_list in results:
-            plain_list = []
-            for wr in wr_list:
-                info = wr.storage_data
-                if not isinstance(info, HashedStorageInfo):
-                    raise RuntimeError(
-                        f"write result for {wr.index.fqn!r} carries no digests (storage data of type "
-                        f"{type(info).__name__}): was it written by another storage writer?"
-                    )
-                hashed.append((wr.index, info))
-                plain_list.append(dataclasses.replace(wr, storage_data=info.plain()))
-            plain_results.append(plain_list)
-
-        super().finish(metadata, plain_results)
+        hashed: list[tuple[MetadataIndex, HashedStorageInfo]] = [
+            (wr.index, wr.storage_data) for wr_list in results for wr in wr_list
+        ]
+        for index, info in hashed:
+            if not isinstance(info, HashedStorageInfo):
+                raise RuntimeError(
+                    f"write result for {index.fqn!r} carries no digests (storage data of type "
+                    f"{type(info).__name__}): was it written by another storage writer?"
+                )
+        super().finish(metadata, [[dataclasses.replace(wr, storage_data=wr.storage_data.plain()) for wr in wr_list]
+                                  for wr_list in results])
 
         root = os.fspath(self.path)
         metadata_name = (
@@ -758,29 +747,19 @@ class HashingFileSystemWriter(FileSystemWriter):
         metadata_path = os.path.join(root, metadata_name)
         size = os.path.getsize(metadata_path)
         metadata_files = {metadata_name: FileEntry(size, digest_file_range(metadata_path, 0, size, self.digest))}
-        manifest = self._build_manifest(metadata, hashed, len(results), metadata_files)
-        write_manifest(root, manifest)
-        self.manifest = manifest
-
-    def _build_manifest(
-        self,
-        metadata: Metadata,
-        hashed: list[tuple[MetadataIndex, HashedStorageInfo]],
-        world_size: int,
-        metadata_files: dict[str, FileEntry],
-    ) -> Manifest:
         items: list[ItemEntry] = []
         files: dict[str, FileEntry] = {}
         chunks: dict[str, dict[tuple[int, ...], HashedStorageInfo]] = {}
         for index, info in hashed:
             assert info.digest is not None and info.file_size is not None and info.file_digest is not None
+            assert info.span is not None
             offsets = None if index.offset is None else tuple(int(o) for o in index.offset)
             items.append(ItemEntry(
                 fqn=index.fqn,
                 chunk_offsets=offsets,
                 file=info.relative_path,
-                offset=info.span[0] if info.span else info.offset,
-                length=info.span[1] if info.span else info.length,
+                offset=info.span[0],
+                length=info.span[1],
                 digest=info.digest,
                 blocks=tuple(info.blocks),
             ))
@@ -805,20 +784,22 @@ class HashingFileSystemWriter(FileSystemWriter):
 
         from ckptverify._version import __version__
 
-        return Manifest(
+        manifest = Manifest(
             digest_algorithm=self.digest,
             block_bytes=self.block_bytes,
             items=tuple(sorted(items, key=lambda i: (i.file, i.offset))),  # the order the file keeps
             files=files,
             tensors=tensors,
             metadata_files=metadata_files,
-            world_size=world_size,
+            world_size=len(results),
             fingerprint_version=FINGERPRINT_VERSION if self.fingerprint else None,
             created=datetime.now(UTC).isoformat(timespec="microseconds"),
             tool_version=__version__,
             torch_version=str(torch.__version__),
             source="save",
         )
+        write_manifest(root, manifest)
+        self.manifest = manifest
 
 
 def _tensor_items(plan: SavePlan) -> Iterator[tuple[WriteItem, Any]]:
@@ -840,21 +821,6 @@ def _chunk_devices(plan: SavePlan, planner: SavePlanner) -> set[torch.device]:
         if isinstance(data, torch.Tensor):
             devices.add(data.device)
     return devices
-
-
-def _large_chunk_bytes(plan: SavePlan) -> dict[torch.dtype | None, int]:
-    """Bytes of chunks large enough for the compiled kernel (``COMPILED_BLOCK`` elements; complex counts two), by the
-    kernel compilation they take (:func:`~ckptverify.fingerprint.kernels.cpu_kernel_dtype`)."""
-    from ckptverify.fingerprint.kernels import COMPILED_BLOCK, cpu_kernel_dtype
-
-    out: dict[torch.dtype | None, int] = {}
-    for _, td in _tensor_items(plan):
-        numel = td.chunk.sizes.numel()
-        dtype = td.properties.dtype
-        if numel * (2 if dtype.is_complex else 1) >= COMPILED_BLOCK:
-            kernel = cpu_kernel_dtype(dtype)
-            out[kernel] = out.get(kernel, 0) + numel * dtype.itemsize
-    return out
 
 
 def _blob_range(cache: dict[tuple[str, int], Any], path: str, start: int, fqn: str) -> tuple[int, int] | None:
@@ -889,11 +855,7 @@ def _combine_chunks(
     if not infos:
         return None, None, None
     fps = [i.fingerprint for i in infos]
-    fp: str | None = None
-    if all(f is not None for f in fps):
-        whole = combine(f for f in fps if f is not None)
-        if whole.complete and whole.shape == shape:
-            fp = whole.value
-    nans = [i.nan_count for i in infos]
-    infs = [i.inf_count for i in infos]
+    whole = None if None in fps else combine(fps)  # type: ignore[arg-type]
+    fp = whole.value if whole is not None and whole.complete and whole.shape == shape else None
+    nans, infs = [i.nan_count for i in infos], [i.inf_count for i in infos]
     return fp, None if None in nans else sum(nans), None if None in infs else sum(infs)  # type: ignore[arg-type]

@@ -267,7 +267,7 @@ def test_begin_save_writes_who_is_saving_and_commit_removes_it(tmp_path: Path) -
     with pytest.raises(SaveFailedError, match="is in progress"):
         begin_save(str(tmp_path), "save-2")
     lock.commit()
-    assert read_marker(str(tmp_path)) is None and not lock.held
+    assert read_marker(str(tmp_path)) is None and lock.fd is None
     begin_save(str(tmp_path), "save-3").release()  # free again; release leaves the marker
     assert read_marker(str(tmp_path))["save_id"] == "save-3"
 
