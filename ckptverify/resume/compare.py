@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckptverify.findings import Finding, Location, error, warning
+from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.resume.run import RunConfig, checkpoint_path, rank_files
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class Evidence:
     resume_sites: frozenset[str] = frozenset()
     step: StepEvidence | None = None
     final: tuple[Finding, ...] = ()
-    held: HeldComparison | None = field(default=None)
+    held: HeldComparison | None = None
 
 
 def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, verbose: bool = False
@@ -154,13 +154,11 @@ def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, ver
     for name, config in configs.items():
         if config.trace_dir and os.path.isdir(config.trace_dir):
             findings.extend(_tag(f"{name} recompute", recompute_findings(config.trace_dir)))
-    evidence = Evidence(**found)
     if "B" in configs:
-        earlier = bool(evidence.restore or evidence.nondeterminism or evidence.resume or evidence.final)
-        held, held_findings = _held_state(configs, earlier=earlier)
+        earlier = any(found.get(k) for k in ("restore", "nondeterminism", "resume", "final"))
+        found["held"], held_findings = _held_state(configs, earlier=earlier)
         findings.extend(held_findings)
-        evidence = replace(evidence, held=held)
-    return findings, evidence
+    return findings, Evidence(**found)
 
 
 #: Final-state differences listed one by one in the text report (all under ``--verbose`` and in JSON).
@@ -190,7 +188,6 @@ def _unregistered(notes: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
 def _held_state(configs: Mapping[str, RunConfig], *, earlier: bool) -> tuple[HeldComparison, list[Finding]]:
     """Compare values held outside the TrainState at the end of A, B (and A2): errors when the runs otherwise agree,
     info (a possible consequence) when an ``earlier`` comparison failed."""
-    from ckptverify.findings import info
     from ckptverify.resume.unregistered import compare_held
 
     held = {name: rank_files(c.trace_dir, "held") for name, c in configs.items()}
@@ -291,7 +288,6 @@ def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None
     """Compare two runs' traces: the findings, the job's first divergence and the comparisons. Random streams that
     differ while nothing computed from them does (an unseeded, unused generator) are an info line, not a
     divergence."""
-    from ckptverify.findings import info
     from ckptverify.trace.compare import comparison_findings, job_divergence, rank_comparisons
 
     comps = rank_comparisons(a, b, steps=steps, every_step=True)  # type: ignore[arg-type]

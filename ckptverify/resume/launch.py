@@ -312,12 +312,9 @@ def _raise_failure(jobs: list[tuple[str, RunConfig]], exc: Exception) -> None:
     run, kinds = next(iter(found.items()))
     from ckptverify.resume.causes import ranks_text
 
-    parts = []
-    for text, ranks in kinds["error"].items():
-        if len(kinds["error"]) > 1:
-            parts.append(f"{ranks_text(ranks)}:")
-        parts.append(text)
-    ranks = [r for rs in kinds["error"].values() for r in rs]
+    errors = kinds["error"]
+    parts = [f"{ranks_text(ranks)}:\n{text}" if len(errors) > 1 else text for text, ranks in errors.items()]
+    ranks = [r for rs in errors.values() for r in rs]
     raise CkptVerifyError(f"the workload crashed in run {run} ({ranks_text(ranks)}):\n" + "\n".join(parts)) from None
 
 

@@ -288,7 +288,7 @@ class Run:
         else:
             # Creating the iterator draws a base seed; the uninterrupted run drew it before the checkpoint, so
             # a resumed run must not draw it again.
-            resumed = self._restored_from is not None and self.state is not None
+            resumed = self._restored_from is not None  # set only by restore(), with the state
             if resumed:
                 from ckptverify.state.rng import capture_rng, restore_rng
 

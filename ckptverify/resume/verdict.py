@@ -138,13 +138,9 @@ def _where(div: FirstDivergence) -> str:
 
 
 def _forgotten(unregistered: tuple[Mapping[str, str], ...], missing_optimizer: str | None = None) -> str:
-    parts = [f"{u['name']} ({u['type']})" for u in unregistered]
-    text = ""
-    if missing_optimizer:
-        text += " No optimizer is registered in the TrainState."
-    if parts:
-        text += f" Not in the TrainState: {', '.join(parts)}."
-    return text
+    parts = ", ".join(f"{u['name']} ({u['type']})" for u in unregistered)
+    return (" No optimizer is registered in the TrainState." if missing_optimizer else "") + (
+        f" Not in the TrainState: {parts}." if parts else "")
 
 
 @dataclass

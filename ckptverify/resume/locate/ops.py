@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any
 
 from ckptverify.errors import UsageError
@@ -398,12 +399,8 @@ def _output_difference(a: OpEvent, b: OpEvent) -> dict[str, Any] | None:
 def _chunk_difference(xs: Sequence[int] | None, ys: Sequence[int] | None) -> int | None:
     if xs is None or ys is None:
         return None
-    for c, (x, y) in enumerate(zip(xs, ys, strict=False)):
-        if _differs(x, y):
-            return c
-    if len(xs) != len(ys):
-        return min(len(xs), len(ys))
-    return None
+    first = next((c for c, (x, y) in enumerate(zip(xs, ys, strict=False)) if _differs(x, y)), None)
+    return first if first is not None or len(xs) == len(ys) else min(len(xs), len(ys))
 
 
 def _by_key(events: Sequence[OpEvent], *, what: str) -> dict[OpKey, OpEvent]:
@@ -446,13 +443,14 @@ class _Pair:
         self.kb = _by_key(b, what=what)
         self.a = sorted(self.ka.values(), key=lambda e: e.index)
         self.b = sorted(self.kb.values(), key=lambda e: e.index)
-        self._comm: tuple[dict[tuple[tuple[int, ...], int], OpEvent], ...] | None = None
+
+    @cached_property
+    def _comm(self) -> tuple[dict[tuple[tuple[int, ...], int], OpEvent], ...]:
+        return tuple({(e.comm.group, e.comm.seq): e for e in reversed(events) if e.comm is not None}
+                     for events in (self.a, self.b))
 
     def comm_event(self, group: tuple[int, ...], seq: int) -> tuple[OpEvent | None, OpEvent | None]:
         """Each side's collective of ``group`` with sequence number ``seq``."""
-        if self._comm is None:
-            self._comm = tuple({(e.comm.group, e.comm.seq): e for e in reversed(events) if e.comm is not None}
-                               for events in (self.a, self.b))
         return self._comm[0].get((group, seq)), self._comm[1].get((group, seq))
 
     def first(self) -> _First | None:
@@ -568,9 +566,7 @@ def _peer_sent_differently(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]
              if e.comm is not None and e.comm.peer == rank and e.comm.collective not in RECV]
     if k is None or k >= len(sends) or sends[k][1] is None:
         return None
-    sa, sb = sends[k]
-    assert sb is not None
-    return _inputs_differ(sa, sb)
+    return _inputs_differ(*sends[k])  # type: ignore[arg-type]
 
 
 def _unseen(e: OpEvent) -> bool:
@@ -688,7 +684,7 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
         if first is not None and first.what == "inputs" and first.last_equal is not None else None,
         produced_in_step=first.produced_in_step if first is not None and first.what == "inputs" else None,
         state_equal=state_equal,
-        within_side=tuple(v for side in "ab" for v in _within_side(compared, side, ranks, per_side[side])),
+        within_side=tuple(v for side in "ab" for v in _within_side(compared, side, per_side[side])),
         missing=missing,
         seen_in=seen_in,
         names=(str(names[0]), str(names[1])),
@@ -726,10 +722,8 @@ def _op_differs(a: Sequence[OpEvent], b: Sequence[OpEvent], key: OpKey) -> bool:
 
 
 def _combine(origins: list[Origin]) -> Origin | None:
-    if not origins:
-        return None
-    if len(origins) == 1:
-        return origins[0]
+    if len(origins) <= 1:
+        return origins[0] if origins else None
 
     def same(name: str) -> Any:
         values = {getattr(o, name) for o in origins}
@@ -741,16 +735,14 @@ def _combine(origins: list[Origin]) -> Origin | None:
                   repeats_differing=min(o.repeats_differing for o in origins))
 
 
-def _within_side(compared: Sequence[tuple[str, dict[int, _Verdict], Any]], side: str, ranks: tuple[int, ...],
-                 count: int) -> tuple[SideVariation, ...]:
+def _within_side(compared: Sequence[tuple[str, dict[int, _Verdict], Any]], side: str, count: int
+                 ) -> tuple[SideVariation, ...]:
     """Ranks where a side's repeats first differ from its first repeat by birth (receivers only when no rank shows
     the birth)."""
     firsts: dict[int, list[_Verdict]] = {}
     for src, verdicts, _ in compared:
-        if src == side:
-            for r in ranks:
-                if r in verdicts:
-                    firsts.setdefault(r, []).append(verdicts[r])
+        for r, v in verdicts.items() if src == side else ():
+            firsts.setdefault(r, []).append(v)
     born = [r for r, vs in firsts.items() if any(v.kind != "receiver" for v in vs)] or list(firsts)
     return tuple(SideVariation(side=side, rank=r, site=_site(r, firsts[r][0].first.event),
                                repeats_differing=len(firsts[r]), repeats=count) for r in sorted(born))
