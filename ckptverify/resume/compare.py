@@ -324,10 +324,9 @@ def _idle_streams(comps: list[RankComparison], steps: range | None, differing: s
         names = {s.name for s in trace.sites}
         recorded = [int(x) for x in trace.steps if steps is None or int(x) in steps]
         for stream in list(idle):
-            if stream not in names or f"start.{stream}" not in names or not recorded:
-                idle.discard(stream)  # cannot tell it stood still
-                continue
-            if any(trace.value(step, f"start.{stream}") != trace.value(step, stream) for step in recorded):
+            # Not recorded at both sites, or at no step: cannot tell it stood still.
+            if stream not in names or f"start.{stream}" not in names or not recorded or any(
+                    trace.value(step, f"start.{stream}") != trace.value(step, stream) for step in recorded):
                 idle.discard(stream)
     return [s for s in candidates if s in idle]
 

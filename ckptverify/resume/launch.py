@@ -150,58 +150,49 @@ def _check_devices(nproc: int, device: str) -> None:
 
 
 def _run_job(rank: int, nproc: int, target: str, config: RunConfig) -> None:
-    from ckptverify.resume.harness_output import LabelledOutput, label, to_log_file
-
-    if config.log_dir:
-        to_log_file(os.path.join(config.log_dir, f"{config.name}-rank{rank}.log"))
-    with (contextlib.nullcontext() if config.log_dir else LabelledOutput(label(config.name, rank, nproc))), \
-            harness_job(config):
-        try:
-            _call_target(rank, nproc, target, config)
-        finally:
-            # End the workload's objects now: DataLoader workers hold the output pipe (or the next job's log).
-            gc.collect()
-            _end_loader_workers()
-
-
-def _end_loader_workers() -> None:
-    """Stop workers of DataLoader iterators still alive after the training function returned: they hold the output
-    pipe open, costing seconds per run."""
-    for obj in gc.get_objects():
-        if type(obj).__name__.endswith("MultiProcessingDataLoaderIter"):
-            with contextlib.suppress(Exception):  # torch's private teardown: best effort, the run is over
-                obj._shutdown_workers()
-
-
-def _call_target(rank: int, nproc: int, target: str, config: RunConfig) -> None:
     """Run the training function once; on failure write ``usage-rank<r>.txt`` or ``error-rank<r>.txt`` to the trace
     folder for the user, then re-raise."""
     import torch.distributed as dist
 
+    from ckptverify.resume.harness_output import LabelledOutput, label, to_log_file
+
+    if config.log_dir:
+        to_log_file(os.path.join(config.log_dir, f"{config.name}-rank{rank}.log"))
     run: Run | None = None
-    try:
-        func = load_target(target)
-        run = Run(config)
+    with (contextlib.nullcontext() if config.log_dir else LabelledOutput(label(config.name, rank, nproc))), \
+            harness_job(config):
         try:
-            func(run)
-            if run.state is None:
-                raise UsageError(never_restored_message(target))
+            func = load_target(target)
+            run = Run(config)
+            try:
+                func(run)
+                if run.state is None:
+                    raise UsageError(never_restored_message(target))
+            finally:
+                run.close()
+            if nproc > 1 and dist.is_initialized():
+                dist.barrier()  # no rank tears down while another is still in a collective
+        except BaseException as exc:
+            if config.trace_dir:
+                trace_dir = own_folder(config.trace_dir)
+                if isinstance(exc, UsageError) and run is not None and run.state is None and _from_save(exc):
+                    kind, text = "usage", never_restored_message(target)  # the first checkpoint, and no state
+                elif isinstance(exc, UsageError):
+                    kind, text = "usage", usage_text(exc)
+                else:
+                    kind, text = "error", user_traceback(exc)
+                write_atomic(os.path.join(trace_dir, f"{kind}-rank{rank}.txt"), text,
+                             prefix=f".{kind}-rank{rank}.", durable=False)
+            raise
         finally:
-            run.close()
-        if nproc > 1 and dist.is_initialized():
-            dist.barrier()  # no rank tears down while another is still in a collective
-    except BaseException as exc:
-        if config.trace_dir:
-            trace_dir = own_folder(config.trace_dir)
-            if isinstance(exc, UsageError) and run is not None and run.state is None and _from_save(exc):
-                kind, text = "usage", never_restored_message(target)  # the first checkpoint, and no state
-            elif isinstance(exc, UsageError):
-                kind, text = "usage", usage_text(exc)
-            else:
-                kind, text = "error", user_traceback(exc)
-            write_atomic(os.path.join(trace_dir, f"{kind}-rank{rank}.txt"), text, prefix=f".{kind}-rank{rank}.",
-                         durable=False)
-        raise
+            # End the workload's objects now, and the workers of DataLoader iterators still alive: they hold the
+            # output pipe (or the next job's log) open, costing seconds per run.
+            run = None
+            gc.collect()
+            for obj in gc.get_objects():
+                if type(obj).__name__.endswith("MultiProcessingDataLoaderIter"):
+                    with contextlib.suppress(Exception):  # torch's private teardown: best effort, the run is over
+                        obj._shutdown_workers()
 
 
 def _from_save(exc: BaseException) -> bool:

@@ -290,9 +290,7 @@ def _replaced(c: _Parted) -> Verdict | None:
     if not evidence.replaced:
         return None
     origins = div.origin_ranks or ()
-    ordered = sorted(evidence.replaced, key=lambda r: (r["run"] != "B", bool(origins) and r["rank"] not in origins,
-                                                       r["rank"]))
-    r = ordered[0]
+    r = min(evidence.replaced, key=lambda r: (r["run"] != "B", bool(origins) and r["rank"] not in origins, r["rank"]))
     ranks = sorted({x["rank"] for x in evidence.replaced if x["name"] == r["name"] and x["run"] == r["run"]})
     on = causes.ranks_text(ranks)
     field = r["field"]

@@ -318,9 +318,8 @@ class Located:
         o = self.origin
         if self.seen_in in ("a", "b") and o is not None:
             return text
-        same = o is None or any(v.site.op == o.op and v.site.occurrence == o.occurrence and v.site.phase == o.phase
-                                and v.site.module == o.module for v in self.within_side)
-        if same:
+        if o is None or any(v.site.op == o.op and v.site.occurrence == o.occurrence and v.site.phase == o.phase
+                            and v.site.module == o.module for v in self.within_side):
             return text + ": the step is not deterministic, so a difference between the sides may be its natural " \
                           "variation"
         return text + ": the step is not deterministic there, but the sides part elsewhere"
@@ -668,8 +667,7 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
                               occurrence=e.occurrence, repeats_differing=count))
 
     origin = _combine(origins)
-    one = details[origins[0].rank] if len(origins) == 1 and origins[0].rank is not None else None
-    first = one[0].first if one is not None else None
+    first = details[origins[0].rank][0].first if len(origins) == 1 else None  # type: ignore[index]
     sources = {src for _, src in details.values()}
     seen_in = sources.pop() if len(sources) == 1 else "ab"
     return Located(
