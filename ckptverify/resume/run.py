@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckptverify.errors import ResumeRefusedError, UsageError
+from ckptverify.errors import CkptVerifyWarning, ResumeRefusedError, UsageError
 from ckptverify.options import VerifyOptions, verify_options
 from ckptverify.ownfiles.names import own_folder, write_atomic
 from ckptverify.state.distributed import rank_world
@@ -225,13 +225,11 @@ class Run:
 
             notes["loader"] = {"type": type(state.dataloader).__name__, "iterable": isinstance(
                 getattr(state.dataloader, "dataset", None), IterableDataset)}
-        from ckptverify.resume.unregistered import registered_bindings
+        from ckptverify.resume.unregistered import find_unregistered, missing_optimizer, registered_bindings
 
         caller = sys._getframe(1)
         self._bindings = (caller, registered_bindings(caller.f_locals, state))
         if self.config.trace_dir:
-            from ckptverify.resume.unregistered import find_unregistered, missing_optimizer
-
             notes["unregistered"] = find_unregistered(caller.f_locals, state)
             if self._production is None:
                 # A frame keeps its locals after return: read at close (`_write_held`).
@@ -286,15 +284,13 @@ class Run:
         if loader is None:
             it: Iterator[Any] = itertools.count(self._step + 1)
         else:
-            # Creating the iterator draws a base seed; the uninterrupted run drew it before the checkpoint, so
-            # a resumed run must not draw it again.
-            resumed = self._restored_from is not None  # set only by restore(), with the state
-            if resumed:
-                from ckptverify.state.rng import capture_rng, restore_rng
+            from ckptverify.state.rng import capture_rng, restore_rng
 
-                before = capture_rng(self.state.rng.generators)
+            # Creating the iterator draws a base seed; the uninterrupted run drew it before the checkpoint, so
+            # a resumed run (restored from, with the state) must not draw it again.
+            before = capture_rng(self.state.rng.generators) if self._restored_from is not None else None
             it = _epochs(loader, own, self.state)
-            if resumed:
+            if before is not None:
                 restore_rng(before, self.state.rng.generators)
         self._pending = False
         while stop is None or self._step < stop:
@@ -373,7 +369,6 @@ class Run:
     def _check_replaced(self) -> None:
         """After the first step: warn about, and note for the harness, registered objects rebuilt after
         ``run.restore`` (the loop steps the new one; checkpoints hold the old one)."""
-        from ckptverify.errors import CkptVerifyWarning
         from ckptverify.resume.unregistered import replaced_objects
 
         (frame, bindings), self._bindings = self._bindings, None
