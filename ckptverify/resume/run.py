@@ -232,7 +232,7 @@ class Run:
         if self.config.trace_dir:
             notes["unregistered"] = find_unregistered(caller.f_locals, state)
             if self._production is None:
-                # A frame keeps its locals after return: read at close (`_write_held`).
+                # A frame keeps its locals after return: read at close (``held-rank<r>.json``).
                 self._held_frame = caller
             del caller
             notes["missing_optimizer"] = missing_optimizer(state)
@@ -349,8 +349,16 @@ class Run:
             self._recorder = None
         frame, self._held_frame = self._held_frame, None
         if frame is not None:
-            self._write_held(frame)
+            from ckptverify.resume.unregistered import held_state
+
+            # Fingerprints of what the ``restore`` caller holds outside the ``TrainState`` at the end. A failure is
+            # written there, never raised: the run itself succeeded.
+            try:
+                data = held_state(frame.f_locals, self.state)
+            except Exception as exc:
+                data = {"error": f"{type(exc).__name__}: {exc}"}
             del frame  # its locals (model, loader, workers) go as the function's own would
+            self._write_json(f"held-rank{self._rank}.json", data)
         if self.config.trace_dir and self._rank == 0:
             self._write_json("run.json", {"name": self.config.name, "steps": self._step,
                                           "saved": self._saved, "world_size": self._world})
@@ -385,17 +393,6 @@ class Run:
                           CkptVerifyWarning, stacklevel=3)
         self._notes["replaced"] = [{**r, "step": self._step + 1} for r in replaced]
         self._write_json(f"notes-rank{self._rank}.json", self._notes)
-
-    def _write_held(self, frame: Any) -> None:
-        """Write ``held-rank<r>.json``: fingerprints of what the ``restore`` caller holds outside the ``TrainState``
-        at the end. A failure is written there, never raised: the run itself succeeded."""
-        from ckptverify.resume.unregistered import held_state
-
-        try:
-            data = held_state(frame.f_locals, self.state)
-        except Exception as exc:
-            data = {"error": f"{type(exc).__name__}: {exc}"}
-        self._write_json(f"held-rank{self._rank}.json", data)
 
     def _save(self) -> None:
         from ckptverify.checkpoint.save import save

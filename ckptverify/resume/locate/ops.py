@@ -214,8 +214,9 @@ class Located:
                    f"here shows where it is born"
         who = f"rank {o.rank}" if o.rank is not None else \
             f"{ranks_text(tuple(x.rank for x in self.origins if x.rank is not None))} (each on its own)"
+        born = f"The divergence at step {self.step} is born on {who}"
         if o.op is None or o.occurrence is None:
-            return (f"The divergence at step {self.step} is born on {who} at different ops: "
+            return (f"{born} at different ops: "
                     + "; ".join(f"rank {x.rank}: {x.op} (occurrence {x.occurrence})" for x in self.origins))
         site = f"{o.op} ({_where(o.occurrence, o.phase, o.module)})"
         count = f"in {o.repeats_differing} of {self.repeats} repeat pairs"
@@ -223,37 +224,32 @@ class Located:
             pairs = self.side_pairs[0 if self.seen_in == "a" else 1]
             count = f"in {o.repeats_differing} of {pairs} pairs of repeats of {self._side(self.seen_in)}"
         if o.kind == "op":
-            return self._op_text(o, who, site, count)
+            return self._op_text(o, born, site, count)
         if o.kind == "collective":
-            return f"The divergence at step {self.step} is born on {who} in the collective {site}: every " \
-                   f"member's input to it was equal and its output differs {count}"
+            return f"{born} in the collective {site}: every member's input to it was equal and its output differs " \
+                   f"{count}"
         return self._unseen_text(o, who, site, count)
 
-    def _op_text(self, o: Origin, who: str, site: str, count: str) -> str:
+    def _op_text(self, o: Origin, born: str, site: str, count: str) -> str:
         """An origin op: nondeterministic within one side, another argument, another tensor read, on one side
         only, or equal inputs and different outputs."""
         if self.seen_in in ("a", "b"):
-            which = self._side(self.seen_in)
             how = "ran in only some of its repeats" if self.output is None and not self.arguments else \
                 "has equal inputs and different outputs across its repeats"
-            return (f"The divergence at step {self.step} is born on {who}: {site} {how} ({count}): it is "
-                    f"nondeterministic within {which}, whether or not the pairs of the two sides happened to differ "
-                    f"there")
+            return (f"{born}: {site} {how} ({count}): it is nondeterministic within {self._side(self.seen_in)}, "
+                    "whether or not the pairs of the two sides happened to differ there")
         if self.arguments:
             one = len(self.arguments) == 1
             named = ", ".join(f"{x['name']}: {x['a']} vs {x['b']}" if x["a"] is not None and x["b"] is not None
                               else f"{x['name']} differs" for x in self.arguments)
-            return (f"The divergence at step {self.step} is born on {who} at {o.op} {named} "
-                    f"({_where(o.occurrence, o.phase, o.module)}): its tensor "
-                    f"inputs are equal and {'one argument' if one else f'{len(self.arguments)} arguments'} other than "
-                    f"a tensor {'differs' if one else 'differ'} ({count})")
+            return (f"{born} at {o.op} {named} ({_where(o.occurrence, o.phase, o.module)}): its tensor inputs are "
+                    f"equal and {'one argument' if one else f'{len(self.arguments)} arguments'} other than a tensor "
+                    f"{'differs' if one else 'differ'} ({count})")
         if self.rewired:
-            return f"The divergence at step {self.step} is born on {who}: {site} reads other values than on " \
-                   f"the other side, each a value both sides had (it is called on another tensor: the call or " \
-                   f"the op sequence changed) ({count})"
+            return (f"{born}: {site} reads other values than on the other side, each a value both sides had (it is "
+                    f"called on another tensor: the call or the op sequence changed) ({count})")
         if self.one_side is not None:
-            return f"The divergence at step {self.step} is born on {who}: {site} ran on " \
-                   f"{self._side(self.one_side)} only ({count})"
+            return f"{born}: {site} ran on {self._side(self.one_side)} only ({count})"
         where = ""
         if self.output is not None:
             where = f" (output {self.output['index']}"
@@ -261,8 +257,7 @@ class Located:
                 start, end = self.output["elements"]
                 where += f", chunk {self.output['chunk']}: elements {start}..{end - 1}"
             where += ")"
-        return f"The divergence at step {self.step} is born on {who}: {site} has equal inputs and " \
-               f"different outputs{where} {count}"
+        return f"{born}: {site} has equal inputs and different outputs{where} {count}"
 
     def _unseen_text(self, o: Origin, who: str, site: str, count: str) -> str:
         """A value born where the op trace does not see (``untraced``), or already in the starting state."""
@@ -511,11 +506,9 @@ def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -
     first = pairs[rank].first()
     if first is None:
         return None
-    if first.what in ("one-sided", "arguments"):
+    if first.what in ("one-sided", "arguments") or first.rewired:
         return _Verdict("op", first)
     if first.what == "inputs":
-        if first.rewired:
-            return _Verdict("op", first)
         via = _through_unseen_output(rank, first, pairs)
         if via is not None:
             return _Verdict("receiver", first, via, seen=False)
