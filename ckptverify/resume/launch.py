@@ -16,8 +16,10 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ckptverify.errors import CkptVerifyError, UsageError
@@ -246,14 +248,12 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
     state does carry over). Raises :class:`UsageError` (unusable target, protocol misuse, too
     few CUDA devices), :class:`CkptVerifyError` (a crash, promptly: failed ranks do not wait for peers; a time limit
     passed). ``timeout_s``: kill ranks still running after it (a walk must never hang its command)."""
-    import dataclasses
-
     import torch.multiprocessing as mp
 
     _check_devices(nproc, device)
     for target in dict.fromkeys(t for t, _ in jobs):
         check_target(target)
-    jobs = [(t, dataclasses.replace(c, device=device, log_dir=c.log_dir or _log_dir)) for t, c in jobs]
+    jobs = [(t, replace(c, device=device, log_dir=c.log_dir or _log_dir)) for t, c in jobs]
     # A free port, only for the MASTER_PORT a torchrun-style workload may read: the ranks meet through a file store
     # (no bind-and-release race between parallel launches).
     with socket.socket() as s:
@@ -273,8 +273,6 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
 def _join_within(context: Any, timeout_s: float | None, jobs: list[tuple[str, RunConfig]]) -> None:
     """Join the ranks of ``context``; past ``timeout_s`` (``None``: never) kill those still running (ours only) and
     raise."""
-    import time
-
     deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
     while not context.join(timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
         if time.monotonic() >= deadline:
@@ -323,7 +321,6 @@ def launch_each(nproc: int, device: str, runs: Sequence[tuple[str, list[tuple[st
     """:func:`launch_jobs` of each ``(message, jobs)`` of ``runs`` in fresh processes of its own (``message`` said as
     it starts), as many side by side as :func:`launches_at_once` allows; after all end, raise the first failed run's
     error. Returns the longest launch's seconds (what bounds a later re-run's time limit)."""
-    import time
     from concurrent.futures import ThreadPoolExecutor
 
     def one(run: tuple[str, list[tuple[str, RunConfig]]]) -> float:
