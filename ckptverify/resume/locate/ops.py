@@ -523,12 +523,23 @@ def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -
 
 def _fed(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> tuple[Via, bool | None]:
     """The collective or receive ``event`` as a :class:`Via` (senders: the members, same group and seq, whose input
-    differed), and whether another rank fed it a difference (``None``: no log tells)."""
+    differed, or a receive's peer), and whether another rank fed it a difference (``None``: no log tells); the k-th
+    receive from a peer pairs with the peer's k-th send here."""
     c = event.comm
     assert c is not None
     if c.peer is not None and c.collective in RECV:
-        return Via(collective=c.collective, group=c.group, seq=c.seq, senders=(c.peer,)), \
-            _peer_sent_differently(rank, event, pairs)
+        via = Via(collective=c.collective, group=c.group, seq=c.seq, senders=(c.peer,))
+        peer = pairs.get(c.peer)
+        if peer is None:
+            return via, None
+        mine = [e for e in pairs[rank].a if e.comm is not None and e.comm.peer == c.peer and e.comm.collective in RECV]
+        k = next((i for i, e in enumerate(mine) if e.key == event.key), None)
+        # The peer's sends to this rank in A's order, each with B's event of the same key.
+        sends = [(e, peer.kb.get(e.key)) for e in peer.a
+                 if e.comm is not None and e.comm.peer == rank and e.comm.collective not in RECV]
+        if k is None or k >= len(sends) or sends[k][1] is None:
+            return via, None
+        return via, _inputs_differ(*sends[k])  # type: ignore[arg-type]
     senders: list[int] = []
     complete = True  # every member's log holds the collective
     for member in c.group:
@@ -541,24 +552,6 @@ def _fed(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> tuple[Via, bo
             senders.append(member)
     via = Via(collective=c.collective, group=c.group, seq=c.seq, senders=tuple(senders))
     return via, True if senders else (False if complete else None)
-
-
-def _peer_sent_differently(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> bool | None:
-    """Whether the peer's send matching receive ``event`` had a differing input (``None``: no log tells); the k-th
-    receive from a peer pairs with its k-th send here."""
-    comm = event.comm
-    assert comm is not None and comm.peer is not None
-    peer = pairs.get(comm.peer)
-    if peer is None:
-        return None
-    mine = [e for e in pairs[rank].a if e.comm is not None and e.comm.peer == comm.peer and e.comm.collective in RECV]
-    k = next((i for i, e in enumerate(mine) if e.key == event.key), None)
-    # The peer's sends to this rank in A's order, each with B's event of the same key.
-    sends = [(e, peer.kb.get(e.key)) for e in peer.a
-             if e.comm is not None and e.comm.peer == rank and e.comm.collective not in RECV]
-    if k is None or k >= len(sends) or sends[k][1] is None:
-        return None
-    return _inputs_differ(*sends[k])  # type: ignore[arg-type]
 
 
 def _unseen(e: OpEvent) -> bool:
