@@ -113,8 +113,15 @@ def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, 
         for target, config in jobs:
             _run_job(rank, nproc, target, config)
     except BaseException:
+        # Leave the group without waiting for peers: ``destroy_process_group`` would wait on peers stuck in a
+        # collective this rank never joins (NCCL: minutes). NCCL communicators are aborted; a gloo group fails its
+        # peers when this process's connections close. Leaving must not hide the failure being raised.
         if nproc > 1 and dist.is_initialized():
-            _abandon_group(dist)
+            with contextlib.suppress(Exception):
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                if "nccl" in str(dist.get_backend()):
+                    _abort_process_group()
         raise
     if nproc > 1:
         if dist.is_initialized():
@@ -124,17 +131,6 @@ def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, 
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-
-
-def _abandon_group(dist: Any) -> None:
-    """Leave a failed rank's group without waiting for peers: ``destroy_process_group`` would wait on peers stuck in
-    a collective this rank never joins (NCCL: minutes). NCCL communicators are aborted; a gloo group fails its peers
-    when this process's connections close."""
-    with contextlib.suppress(Exception):  # leaving must not hide the failure being raised
-        from torch.distributed.distributed_c10d import _abort_process_group
-
-        if "nccl" in str(dist.get_backend()):
-            _abort_process_group()
 
 
 def _check_devices(nproc: int, device: str) -> None:

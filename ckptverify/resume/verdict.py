@@ -372,8 +372,7 @@ def _unregistered(c: _Parted) -> Verdict | None:
     if c.div.category not in _COMPUTED or not (evidence.missing_optimizer or evidence.unregistered):
         return None
     items = evidence.unregistered
-    optim = next((u for u in items if u["kind"] == "optimizer"), None)
-    named = optim or (items[0] if items else None)
+    named = next((u for u in items if u["kind"] == "optimizer"), items[0] if items else None)
     lead = ("no optimizer is registered in the TrainState, so B starts its moments from zero"
             if evidence.missing_optimizer else "state the TrainState does not hold drives the run")
     listed = _forgotten(items) + receivers_said(div) + _undetermined(div)
