@@ -262,7 +262,18 @@ class Run:
         if self._production is not None:
             # Before the trace hooks: a planted fault must precede the trace's view, as a real one would.
             self._production.began(state, self._restored_from)
-        self._open_trace()
+        if self.config.trace_dir and self._recorder is None:
+            from ckptverify.trace import TraceHeader, TraceRecorder
+            from ckptverify.trace.oplog import window_from_dict
+
+            header = TraceHeader(run=self.config.name, level=self.config.level, workload=self.config.workload,
+                                 detail=self.config.trace_detail)
+            window = window_from_dict(self.config.op_window) if self.config.op_window is not None else None
+            self._recorder = TraceRecorder(self.config.trace_dir, header=header, overwrite=True, window=window)
+            if self._production is not None:
+                self._production.traced_by(self._recorder)
+            if self.config.level != "metrics" and state.model is not None:
+                self._recorder.attach(state.model, optimizer=state.optimizers or None)
 
     def steps(self, loader: Iterable[Any] | None = None, *, micro_batches: int = 1) -> Iterator[Any]:
         """Yield batches from ``loader`` (or step numbers) until the stop step. ``micro_batches=K``: each item is the
@@ -318,7 +329,23 @@ class Run:
             raise UsageError("run.record() must be called once per step yielded by run.steps()")
         self._pending = False
         if self._bindings is not None:
-            self._check_replaced()
+            from ckptverify.resume.unregistered import replaced_objects
+
+            # After the first step: warn about, and note for the harness, registered objects rebuilt after
+            # ``run.restore`` (the loop steps the new one; checkpoints hold the old one).
+            (frame, bindings), self._bindings = self._bindings, None
+            try:
+                replaced = replaced_objects(bindings, frame.f_locals, self.state)
+            finally:
+                del frame
+            for r in replaced:
+                warnings.warn(f"ckptverify: {r['name']} ({r['type']}) was rebuilt after run.restore(): the "
+                              f"TrainState saves and restores the {r['registered_type']} it was given as {r['field']}, "
+                              "not the one the loop uses; build it before run.restore(state), or register the new one",
+                              CkptVerifyWarning, stacklevel=2)
+            if replaced:
+                self._notes["replaced"] = [{**r, "step": self._step + 1} for r in replaced]
+                self._write_json(f"notes-rank{self._rank}.json", self._notes)
         self._step += 1
         if self.state is not None:
             self.state.counters.step = self._step
@@ -374,26 +401,6 @@ class Run:
             self._production.close(self._step)
             self._production = None
 
-    def _check_replaced(self) -> None:
-        """After the first step: warn about, and note for the harness, registered objects rebuilt after
-        ``run.restore`` (the loop steps the new one; checkpoints hold the old one)."""
-        from ckptverify.resume.unregistered import replaced_objects
-
-        (frame, bindings), self._bindings = self._bindings, None
-        try:
-            replaced = replaced_objects(bindings, frame.f_locals, self.state)
-        finally:
-            del frame
-        if not replaced:
-            return
-        for r in replaced:
-            warnings.warn(f"ckptverify: {r['name']} ({r['type']}) was rebuilt after run.restore(): the TrainState "
-                          f"saves and restores the {r['registered_type']} it was given as {r['field']}, not the "
-                          f"one the loop uses; build it before run.restore(state), or register the new one",
-                          CkptVerifyWarning, stacklevel=3)
-        self._notes["replaced"] = [{**r, "step": self._step + 1} for r in replaced]
-        self._write_json(f"notes-rank{self._rank}.json", self._notes)
-
     def _save(self) -> None:
         from ckptverify.checkpoint.save import save
 
@@ -425,21 +432,6 @@ class Run:
         self._saved.append(path)
         if self._production is not None:
             self._production.saved(self._step, path)
-
-    def _open_trace(self) -> None:
-        if not self.config.trace_dir or self._recorder is not None:
-            return
-        from ckptverify.trace import TraceHeader, TraceRecorder
-        from ckptverify.trace.oplog import window_from_dict
-
-        header = TraceHeader(run=self.config.name, level=self.config.level, workload=self.config.workload,
-                             detail=self.config.trace_detail)
-        window = window_from_dict(self.config.op_window) if self.config.op_window is not None else None
-        self._recorder = TraceRecorder(self.config.trace_dir, header=header, overwrite=True, window=window)
-        if self._production is not None:
-            self._production.traced_by(self._recorder)
-        if self.config.level != "metrics" and self.state is not None and self.state.model is not None:
-            self._recorder.attach(self.state.model, optimizer=self.state.optimizers or None)
 
     def _write_json(self, name: str, data: Any) -> None:
         if not self.config.trace_dir:
