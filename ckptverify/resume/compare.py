@@ -195,7 +195,6 @@ def _held_state(configs: Mapping[str, RunConfig], *, earlier: bool) -> tuple[Hel
     a2 = "A2" in configs and bool(held["A2"])
     again = {d["var"] for d in compare_held(held["A"], held["A2"])} if a2 else set()
     nondeterministic = tuple(sorted(again & {d["var"] for d in differ}))
-    comparison = HeldComparison(differ=tuple(differ), nondeterministic=nondeterministic, a2=a2)
     out: list[Finding] = []
     for d in differ:
         text = (f"[end of A vs B] {d['var']} differs at the end of the run (rank {d['rank']}, first at "
@@ -207,7 +206,7 @@ def _held_state(configs: Mapping[str, RunConfig], *, earlier: bool) -> tuple[Hel
     if incomplete:
         out.append(warning("held-state-incomplete", "the values held outside the TrainState were not all "
                            "compared: " + "; ".join(incomplete)))
-    return comparison, out
+    return HeldComparison(differ=tuple(differ), nondeterministic=nondeterministic, a2=a2), out
 
 
 def _held_gaps(held: dict[str, dict[int, dict[str, Any]]]) -> list[str]:

@@ -316,7 +316,7 @@ class Run:
                 return
             self._pending = True
             if self._recorder is not None:
-                if self._traced(self._step + 1):
+                if (self._step + 1) % self.config.trace_every == 0:
                     # Before the step draws anything: a random stream that differs here is a cause.
                     self._recorder.record_step_start(self.state, step=self._step + 1)
                 else:
@@ -349,10 +349,8 @@ class Run:
         self._step += 1
         if self.state is not None:
             self.state.counters.step = self._step
-        values = dict(metrics)
-        if loss is not None:
-            values["loss"] = loss
-        traced = self._traced(self._step)
+        values = {**metrics, "loss": loss} if loss is not None else dict(metrics)
+        traced = self._step % self.config.trace_every == 0
         if self._recorder is not None:
             if traced:
                 # ``[epoch, indices]`` of the last batch the tracked ``ResumableSampler`` handed out.
@@ -366,9 +364,6 @@ class Run:
             self._production.stepped(self._step, traced=traced)
         if self._step in self.config.save_at:
             self._save()
-
-    def _traced(self, step: int) -> bool:
-        return step % self.config.trace_every == 0
 
     def close(self) -> None:
         if self._recorder is not None:

@@ -554,10 +554,6 @@ def _fed(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> tuple[Via, bo
     return via, True if senders else (False if complete else None)
 
 
-def _unseen(e: OpEvent) -> bool:
-    return not e.outputs or any(x is None for x in e.outputs)
-
-
 def _through_unseen_output(rank: int, first: _First, pairs: Mapping[int, _Pair]) -> Via | None:
     """For a first difference in inputs: the earliest earlier collective or receive whose output was not
     fingerprinted (in flight) and into which another rank fed a difference: the likely way it arrived."""
@@ -566,8 +562,8 @@ def _through_unseen_output(rank: int, first: _First, pairs: Mapping[int, _Pair])
         if e.index >= first.event.index:
             break
         other = pair.kb.get(e.key)
-        if e.comm is None or other is None or not (_unseen(e) or _unseen(other)):
-            continue
+        if e.comm is None or other is None or all(x.outputs and None not in x.outputs for x in (e, other)):
+            continue  # not a collective, or its output fingerprinted on both sides
         via, fed = _fed(rank, e, pairs)
         if fed:
             return via
@@ -599,7 +595,6 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
     :class:`~ckptverify.errors.UsageError` on malformed or empty logs."""
     la, lb = _check_logs(a, "A"), _check_logs(b, "B")
     ranks = tuple(sorted(set(la) & set(lb)))
-    missing = tuple(sorted(set(la) ^ set(lb)))
     per_side = {side: min((len(logs[r]) for r in ranks), default=0) for side, logs in (("a", la), ("b", lb))}
     repeats = min(per_side.values())
     if not ranks or repeats == 0:
@@ -652,12 +647,11 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
         origins.append(Origin(kind=chosen.kind, rank=r, step=e.step, phase=e.phase, module=e.module, op=e.op,
                               occurrence=e.occurrence, repeats_differing=count))
 
-    origin = _combine(origins)
     first = details[origins[0].rank][0].first if len(origins) == 1 else None  # type: ignore[index]
     sources = {src for _, src in details.values()}
     seen_in = sources.pop() if len(sources) == 1 else "ab"
     return Located(
-        step=step, ranks=ranks, repeats=repeats, origin=origin,
+        step=step, ranks=ranks, repeats=repeats, origin=_combine(origins),
         origins=tuple(origins) if len(origins) > 1 else (),
         receivers=tuple(receivers),
         one_side=first.side if first is not None and first.what == "one-sided" and seen_in == "ab" else None,
@@ -669,7 +663,7 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
         produced_in_step=first.produced_in_step if first is not None and first.what == "inputs" else None,
         state_equal=state_equal,
         within_side=tuple(v for side in "ab" for v in _within_side(compared, side, per_side[side])),
-        missing=missing,
+        missing=tuple(sorted(set(la) ^ set(lb))),
         seen_in=seen_in,
         names=(str(names[0]), str(names[1])),
         deterministic=tuple(x for x in ("a", "b") if x in deterministic),
