@@ -169,8 +169,7 @@ def _fold(errors: list[Finding]) -> list[Finding]:
     """Many final-state differences as one row: how many, which come first, and the full list in ``actual``."""
     if len(errors) <= FOLD_ABOVE:
         return errors
-    names = [f.location.fqn or f.location.record or f.check for f in errors]
-    shown = ", ".join(str(n) for n in names[:FOLD_ABOVE])
+    shown = ", ".join(str(f.location.fqn or f.location.record or f.check) for f in errors[:FOLD_ABOVE])
     return [error("final-state", f"{len(errors)} items of the final checkpoints differ ({shown}, …); the full "
                   "list is under --verbose and in the JSON report", location=Location(),
                   actual={"differing": len(errors), "items": [f.to_dict() for f in errors]})]

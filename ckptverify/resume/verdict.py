@@ -166,11 +166,10 @@ def _restore(c: _Case) -> Verdict | None:
         return None
     f = restore[0]
     ranks = sorted({x.location.rank for x in restore if x.location.rank is not None})
-    rank = ranks[0] if len(ranks) == 1 else None
     on = f" ({causes.ranks_text(ranks)}{', each on its own' if len(ranks) > 1 else ''})" if ranks else ""
     return Verdict("restore-mismatch", f"resume drops state: restored {f.location.fqn or 'state'} differs from "
                    f"what was saved{on}; {len(restore)} field(s) in all.{c.forgotten}",
-                   rank=rank, site=f.location.fqn, category="restore",
+                   rank=ranks[0] if len(ranks) == 1 else None, site=f.location.fqn, category="restore",
                    advice=causes.RESTORE_ADVICE + ".")
 
 

@@ -348,13 +348,8 @@ def _argument_difference(a: OpEvent, b: OpEvent) -> tuple[dict[str, Any], ...]:
         return ()
     xa = {x.name: x for x in a.arguments}
     xb = {x.name: x for x in b.arguments}
-    out = []
-    for name in dict.fromkeys([*xa, *xb]):
-        va, vb = xa.get(name), xb.get(name)
-        if va is None or vb is None or va.digest != vb.digest:
-            out.append({"name": name, "a": va.text if va is not None else None,
-                        "b": vb.text if vb is not None else None})
-    return tuple(out)
+    return tuple({"name": n, "a": xa[n].text if n in xa else None, "b": xb[n].text if n in xb else None}
+                 for n in dict.fromkeys([*xa, *xb]) if n not in xa or n not in xb or xa[n].digest != xb[n].digest)
 
 
 def _own_difference(a: OpEvent, b: OpEvent) -> tuple[dict[str, Any] | None, tuple[dict[str, Any], ...]] | None:
@@ -707,8 +702,7 @@ def _combine(origins: list[Origin]) -> Origin | None:
         values = {getattr(o, name) for o in origins}
         return values.pop() if len(values) == 1 else None
 
-    kinds = {o.kind for o in origins}
-    return Origin(kind=kinds.pop() if len(kinds) == 1 else "op", rank=None, step=min(o.step for o in origins),
+    return Origin(kind=same("kind") or "op", rank=None, step=min(o.step for o in origins),
                   phase=same("phase"), module=same("module"), op=same("op"), occurrence=same("occurrence"),
                   repeats_differing=min(o.repeats_differing for o in origins))
 
