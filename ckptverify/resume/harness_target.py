@@ -14,6 +14,7 @@ import builtins
 import difflib
 import importlib
 import inspect
+import itertools
 import os
 import sys
 import sysconfig
@@ -309,10 +310,7 @@ def user_traceback(exc: BaseException) -> str:
         if id(t) in seen:
             continue
         seen.add(id(t))
-        frames = list(t.stack)
-        while frames and _ours(frames[0].filename):
-            frames.pop(0)
-        t.stack = traceback.StackSummary.from_list(frames)
+        t.stack = traceback.StackSummary.from_list(list(itertools.dropwhile(lambda f: _ours(f.filename), t.stack)))
         todo.extend(x for x in (t.__cause__, t.__context__) if x is not None)
     return "".join(te.format()).rstrip("\n")
 

@@ -447,9 +447,8 @@ def _epochs(loader: Iterable[Any], sampler: Any, state: Any) -> Iterator[Any]:
 
     def epoch() -> Iterator[Any]:
         inner = iter(loader)  # draws the base seed now
-        if sampler is None or stateful:
-            return inner
-        return sampler.track(inner, batch_size=getattr(loader, "batch_size", None))
+        return inner if sampler is None or stateful else \
+            sampler.track(inner, batch_size=getattr(loader, "batch_size", None))
 
     def batches(first: Iterator[Any]) -> Iterator[Any]:
         yield from first
@@ -472,9 +471,7 @@ def _start_values(state: Any) -> dict[str, Any]:
     out: dict[str, Any] = {f"start.rng.{kind}": state_digest(value)
                            for kind, value in capture_rng(state.rng.generators).items()
                            if kind != "cuda_device"}  # which device, not a stream: the trace has no such site
-    for cell in hparam_cells("start.hparam.", state.optimizers):
-        out[cell.site] = decode(cell.lanes, cell.encoding)
-    return out
+    return out | {c.site: decode(c.lanes, c.encoding) for c in hparam_cells("start.hparam.", state.optimizers)}
 
 
 def _init_group_from_env() -> bool:

@@ -332,10 +332,8 @@ def _step_hparams(c: _Parted) -> Verdict | None:
     if not (hstep or c.div.category == "scheduler" or any(s.startswith("scheduler") for s in sites)
             or (unsaved and lr_moved)):
         return None
-    if hstep:
-        what, site = causes.step_hparam_what(c.at, hstep)
-    else:
-        what, site = f"the learning rate differs at {c.at.when} ({_where(c.div)})", c.site
+    what, site = causes.step_hparam_what(c.at, hstep) if hstep else \
+        (f"the learning rate differs at {c.at.when} ({_where(c.div)})", c.site)
     cause, advice = causes.step_hparam_cause(unsaved)
     return Verdict("scheduler", f"{what}: {cause}. A batch or value that differs in the same step is a "
                    f"consequence.{c.said}", advice=advice + ".", **{**c.common, "site": site, "category": "scheduler"})

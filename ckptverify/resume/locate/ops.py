@@ -199,10 +199,9 @@ class Located:
 
     def sentence(self) -> str:
         """The verdict in one sentence."""
-        ranks = ranks_text(self.ranks)
         if not self.diverged:
-            text = (f"No divergence at step {self.step}: every op on {ranks} has equal inputs and outputs "
-                    f"in {self.repeats} repeat pair{'s' if self.repeats != 1 else ''}")
+            text = (f"No divergence at step {self.step}: every op on {ranks_text(self.ranks)} has equal inputs and "
+                    f"outputs in {self.repeats} repeat pair{'s' if self.repeats != 1 else ''}")
         else:
             text = self._origin_text() + self._receivers_text()
         return text + self._within_text() + "."
