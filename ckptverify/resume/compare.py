@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckptverify.findings import Finding, Location, error, warning
+from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.resume.run import RunConfig, checkpoint_path, rank_files
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class Evidence:
     resume_sites: frozenset[str] = frozenset()
     step: StepEvidence | None = None
     final: tuple[Finding, ...] = ()
-    held: HeldComparison | None = field(default=None)
+    held: HeldComparison | None = None
 
 
 def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, verbose: bool = False
@@ -154,13 +154,11 @@ def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, ver
     for name, config in configs.items():
         if config.trace_dir and os.path.isdir(config.trace_dir):
             findings.extend(_tag(f"{name} recompute", recompute_findings(config.trace_dir)))
-    evidence = Evidence(**found)
     if "B" in configs:
-        earlier = bool(evidence.restore or evidence.nondeterminism or evidence.resume or evidence.final)
-        held, held_findings = _held_state(configs, earlier=earlier)
+        earlier = any(found.get(k) for k in ("restore", "nondeterminism", "resume", "final"))
+        found["held"], held_findings = _held_state(configs, earlier=earlier)
         findings.extend(held_findings)
-        evidence = replace(evidence, held=held)
-    return findings, evidence
+    return findings, Evidence(**found)
 
 
 #: Final-state differences listed one by one in the text report (all under ``--verbose`` and in JSON).
@@ -171,8 +169,7 @@ def _fold(errors: list[Finding]) -> list[Finding]:
     """Many final-state differences as one row: how many, which come first, and the full list in ``actual``."""
     if len(errors) <= FOLD_ABOVE:
         return errors
-    names = [f.location.fqn or f.location.record or f.check for f in errors]
-    shown = ", ".join(str(n) for n in names[:FOLD_ABOVE])
+    shown = ", ".join(str(f.location.fqn or f.location.record or f.check) for f in errors[:FOLD_ABOVE])
     return [error("final-state", f"{len(errors)} items of the final checkpoints differ ({shown}, …); the full "
                   "list is under --verbose and in the JSON report", location=Location(),
                   actual={"differing": len(errors), "items": [f.to_dict() for f in errors]})]
@@ -190,7 +187,6 @@ def _unregistered(notes: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
 def _held_state(configs: Mapping[str, RunConfig], *, earlier: bool) -> tuple[HeldComparison, list[Finding]]:
     """Compare values held outside the TrainState at the end of A, B (and A2): errors when the runs otherwise agree,
     info (a possible consequence) when an ``earlier`` comparison failed."""
-    from ckptverify.findings import info
     from ckptverify.resume.unregistered import compare_held
 
     held = {name: rank_files(c.trace_dir, "held") for name, c in configs.items()}
@@ -198,7 +194,6 @@ def _held_state(configs: Mapping[str, RunConfig], *, earlier: bool) -> tuple[Hel
     a2 = "A2" in configs and bool(held["A2"])
     again = {d["var"] for d in compare_held(held["A"], held["A2"])} if a2 else set()
     nondeterministic = tuple(sorted(again & {d["var"] for d in differ}))
-    comparison = HeldComparison(differ=tuple(differ), nondeterministic=nondeterministic, a2=a2)
     out: list[Finding] = []
     for d in differ:
         text = (f"[end of A vs B] {d['var']} differs at the end of the run (rank {d['rank']}, first at "
@@ -210,7 +205,7 @@ def _held_state(configs: Mapping[str, RunConfig], *, earlier: bool) -> tuple[Hel
     if incomplete:
         out.append(warning("held-state-incomplete", "the values held outside the TrainState were not all "
                            "compared: " + "; ".join(incomplete)))
-    return comparison, out
+    return HeldComparison(differ=tuple(differ), nondeterministic=nondeterministic, a2=a2), out
 
 
 def _held_gaps(held: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
@@ -291,7 +286,6 @@ def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None
     """Compare two runs' traces: the findings, the job's first divergence and the comparisons. Random streams that
     differ while nothing computed from them does (an unseeded, unused generator) are an info line, not a
     divergence."""
-    from ckptverify.findings import info
     from ckptverify.trace.compare import comparison_findings, job_divergence, rank_comparisons
 
     comps = rank_comparisons(a, b, steps=steps, every_step=True)  # type: ignore[arg-type]
@@ -328,10 +322,9 @@ def _idle_streams(comps: list[RankComparison], steps: range | None, differing: s
         names = {s.name for s in trace.sites}
         recorded = [int(x) for x in trace.steps if steps is None or int(x) in steps]
         for stream in list(idle):
-            if stream not in names or f"start.{stream}" not in names or not recorded:
-                idle.discard(stream)  # cannot tell it stood still
-                continue
-            if any(trace.value(step, f"start.{stream}") != trace.value(step, stream) for step in recorded):
+            # Not recorded at both sites, or at no step: cannot tell it stood still.
+            if stream not in names or f"start.{stream}" not in names or not recorded or any(
+                    trace.value(step, f"start.{stream}") != trace.value(step, stream) for step in recorded):
                 idle.discard(stream)
     return [s for s in candidates if s in idle]
 

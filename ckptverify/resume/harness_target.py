@@ -14,6 +14,7 @@ import builtins
 import difflib
 import importlib
 import inspect
+import itertools
 import os
 import sys
 import sysconfig
@@ -46,8 +47,9 @@ def load_target(target: str) -> Callable[[Any], None]:
     is the main module). :class:`UsageError` when it cannot load or is not a one-argument function."""
     where, name, is_file = split_target(target)
     current = sys.modules.get("__main__")
-    if is_file and current is not None and same_file(getattr(current, "__file__", None), _existing_file(where)):
-        _path_first(os.path.dirname(_existing_file(where)))
+    path = _existing_file(where) if is_file else None
+    if path is not None and current is not None and same_file(getattr(current, "__file__", None), path):
+        _path_first(os.path.dirname(path))
         module = current
     else:
         module = _module(where, is_file, target, MAIN_NAME)
@@ -66,7 +68,7 @@ def _module(where: str, is_file: bool, target: str, module_name: str) -> types.M
     path = _existing_file(where)
     _path_first(os.path.dirname(path))
     sys.argv[:] = [path]
-    return _run_file(path, module_name, target)
+    return _run_file(path, module_name)
 
 
 def resolve_target(target: str) -> str:
@@ -122,8 +124,7 @@ def _found_only_in(mod_name: str, file: str, folder: str, path: list[str]) -> bo
         rel = os.path.relpath(os.path.abspath(file), os.path.abspath(root or "."))
         if rel.startswith(os.pardir + os.sep):
             return None
-        stem = os.path.splitext(rel)[0]
-        parts = stem.split(os.sep)
+        parts = os.path.splitext(rel)[0].split(os.sep)
         if parts[-1] == "__init__":
             parts.pop()
         return ".".join(parts)
@@ -176,7 +177,7 @@ def _path_first(folder: str) -> None:
         sys.path.insert(0, folder)
 
 
-def _run_file(path: str, module_name: str, target: str) -> types.ModuleType:
+def _run_file(path: str, module_name: str) -> types.ModuleType:
     """Run the file as a script (``__spec__``/``__package__`` None) under ``module_name``, registered in
     ``sys.modules`` while it runs (dataclasses and pickling look classes up there)."""
     module = types.ModuleType(module_name)
@@ -260,8 +261,7 @@ def _never_restores(func: Any) -> bool:
     """Whether ``func``'s code shows it uses the protocol but cannot call ``run.restore``: no ``.restore`` anywhere
     and its parameter only used as ``run.<attribute>``. Anything less certain is left to the run."""
     try:
-        source = textwrap.dedent(inspect.getsource(func))
-        tree = ast.parse(source)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
     except (OSError, TypeError, SyntaxError, IndentationError):
         return False
     if not tree.body or not isinstance(tree.body[0], ast.FunctionDef | ast.AsyncFunctionDef):
@@ -310,10 +310,7 @@ def user_traceback(exc: BaseException) -> str:
         if id(t) in seen:
             continue
         seen.add(id(t))
-        frames = list(t.stack)
-        while frames and _ours(frames[0].filename):
-            frames.pop(0)
-        t.stack = traceback.StackSummary.from_list(frames)
+        t.stack = traceback.StackSummary.from_list(list(itertools.dropwhile(lambda f: _ours(f.filename), t.stack)))
         todo.extend(x for x in (t.__cause__, t.__context__) if x is not None)
     return "".join(te.format()).rstrip("\n")
 

@@ -16,8 +16,10 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ckptverify.errors import CkptVerifyError, UsageError
@@ -111,8 +113,15 @@ def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, 
         for target, config in jobs:
             _run_job(rank, nproc, target, config)
     except BaseException:
+        # Leave the group without waiting for peers: ``destroy_process_group`` would wait on peers stuck in a
+        # collective this rank never joins (NCCL: minutes). NCCL communicators are aborted; a gloo group fails its
+        # peers when this process's connections close. Leaving must not hide the failure being raised.
         if nproc > 1 and dist.is_initialized():
-            _abandon_group(dist)
+            with contextlib.suppress(Exception):
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                if "nccl" in str(dist.get_backend()):
+                    _abort_process_group()
         raise
     if nproc > 1:
         if dist.is_initialized():
@@ -122,17 +131,6 @@ def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, 
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-
-
-def _abandon_group(dist: Any) -> None:
-    """Leave a failed rank's group without waiting for peers: ``destroy_process_group`` would wait on peers stuck in
-    a collective this rank never joins (NCCL: minutes). NCCL communicators are aborted; a gloo group fails its peers
-    when this process's connections close."""
-    with contextlib.suppress(Exception):  # leaving must not hide the failure being raised
-        from torch.distributed.distributed_c10d import _abort_process_group
-
-        if "nccl" in str(dist.get_backend()):
-            _abort_process_group()
 
 
 def _check_devices(nproc: int, device: str) -> None:
@@ -150,58 +148,49 @@ def _check_devices(nproc: int, device: str) -> None:
 
 
 def _run_job(rank: int, nproc: int, target: str, config: RunConfig) -> None:
-    from ckptverify.resume.harness_output import LabelledOutput, label, to_log_file
-
-    if config.log_dir:
-        to_log_file(os.path.join(config.log_dir, f"{config.name}-rank{rank}.log"))
-    with (contextlib.nullcontext() if config.log_dir else LabelledOutput(label(config.name, rank, nproc))), \
-            harness_job(config):
-        try:
-            _call_target(rank, nproc, target, config)
-        finally:
-            # End the workload's objects now: DataLoader workers hold the output pipe (or the next job's log).
-            gc.collect()
-            _end_loader_workers()
-
-
-def _end_loader_workers() -> None:
-    """Stop workers of DataLoader iterators still alive after the training function returned: they hold the output
-    pipe open, costing seconds per run."""
-    for obj in gc.get_objects():
-        if type(obj).__name__.endswith("MultiProcessingDataLoaderIter"):
-            with contextlib.suppress(Exception):  # torch's private teardown: best effort, the run is over
-                obj._shutdown_workers()
-
-
-def _call_target(rank: int, nproc: int, target: str, config: RunConfig) -> None:
     """Run the training function once; on failure write ``usage-rank<r>.txt`` or ``error-rank<r>.txt`` to the trace
     folder for the user, then re-raise."""
     import torch.distributed as dist
 
+    from ckptverify.resume.harness_output import LabelledOutput, label, to_log_file
+
+    if config.log_dir:
+        to_log_file(os.path.join(config.log_dir, f"{config.name}-rank{rank}.log"))
     run: Run | None = None
-    try:
-        func = load_target(target)
-        run = Run(config)
+    with (contextlib.nullcontext() if config.log_dir else LabelledOutput(label(config.name, rank, nproc))), \
+            harness_job(config):
         try:
-            func(run)
-            if run.state is None:
-                raise UsageError(never_restored_message(target))
+            func = load_target(target)
+            run = Run(config)
+            try:
+                func(run)
+                if run.state is None:
+                    raise UsageError(never_restored_message(target))
+            finally:
+                run.close()
+            if nproc > 1 and dist.is_initialized():
+                dist.barrier()  # no rank tears down while another is still in a collective
+        except BaseException as exc:
+            if config.trace_dir:
+                trace_dir = own_folder(config.trace_dir)
+                if isinstance(exc, UsageError) and run is not None and run.state is None and _from_save(exc):
+                    kind, text = "usage", never_restored_message(target)  # the first checkpoint, and no state
+                elif isinstance(exc, UsageError):
+                    kind, text = "usage", usage_text(exc)
+                else:
+                    kind, text = "error", user_traceback(exc)
+                write_atomic(os.path.join(trace_dir, f"{kind}-rank{rank}.txt"), text,
+                             prefix=f".{kind}-rank{rank}.", durable=False)
+            raise
         finally:
-            run.close()
-        if nproc > 1 and dist.is_initialized():
-            dist.barrier()  # no rank tears down while another is still in a collective
-    except BaseException as exc:
-        if config.trace_dir:
-            trace_dir = own_folder(config.trace_dir)
-            if isinstance(exc, UsageError) and run is not None and run.state is None and _from_save(exc):
-                kind, text = "usage", never_restored_message(target)  # the first checkpoint, and no state
-            elif isinstance(exc, UsageError):
-                kind, text = "usage", usage_text(exc)
-            else:
-                kind, text = "error", user_traceback(exc)
-            write_atomic(os.path.join(trace_dir, f"{kind}-rank{rank}.txt"), text, prefix=f".{kind}-rank{rank}.",
-                         durable=False)
-        raise
+            # End the workload's objects now, and the workers of DataLoader iterators still alive: they hold the
+            # output pipe (or the next job's log) open, costing seconds per run.
+            run = None
+            gc.collect()
+            for obj in gc.get_objects():
+                if type(obj).__name__.endswith("MultiProcessingDataLoaderIter"):
+                    with contextlib.suppress(Exception):  # torch's private teardown: best effort, the run is over
+                        obj._shutdown_workers()
 
 
 def _from_save(exc: BaseException) -> bool:
@@ -255,14 +244,12 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
     state does carry over). Raises :class:`UsageError` (unusable target, protocol misuse, too
     few CUDA devices), :class:`CkptVerifyError` (a crash, promptly: failed ranks do not wait for peers; a time limit
     passed). ``timeout_s``: kill ranks still running after it (a walk must never hang its command)."""
-    import dataclasses
-
     import torch.multiprocessing as mp
 
     _check_devices(nproc, device)
     for target in dict.fromkeys(t for t, _ in jobs):
         check_target(target)
-    jobs = [(t, dataclasses.replace(c, device=device, log_dir=c.log_dir or _log_dir)) for t, c in jobs]
+    jobs = [(t, replace(c, device=device, log_dir=c.log_dir or _log_dir)) for t, c in jobs]
     # A free port, only for the MASTER_PORT a torchrun-style workload may read: the ranks meet through a file store
     # (no bind-and-release race between parallel launches).
     with socket.socket() as s:
@@ -282,8 +269,6 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
 def _join_within(context: Any, timeout_s: float | None, jobs: list[tuple[str, RunConfig]]) -> None:
     """Join the ranks of ``context``; past ``timeout_s`` (``None``: never) kill those still running (ours only) and
     raise."""
-    import time
-
     deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
     while not context.join(timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
         if time.monotonic() >= deadline:
@@ -312,12 +297,9 @@ def _raise_failure(jobs: list[tuple[str, RunConfig]], exc: Exception) -> None:
     run, kinds = next(iter(found.items()))
     from ckptverify.resume.causes import ranks_text
 
-    parts = []
-    for text, ranks in kinds["error"].items():
-        if len(kinds["error"]) > 1:
-            parts.append(f"{ranks_text(ranks)}:")
-        parts.append(text)
-    ranks = [r for rs in kinds["error"].values() for r in rs]
+    errors = kinds["error"]
+    parts = [f"{ranks_text(ranks)}:\n{text}" if len(errors) > 1 else text for text, ranks in errors.items()]
+    ranks = [r for rs in errors.values() for r in rs]
     raise CkptVerifyError(f"the workload crashed in run {run} ({ranks_text(ranks)}):\n" + "\n".join(parts)) from None
 
 
@@ -335,7 +317,6 @@ def launch_each(nproc: int, device: str, runs: Sequence[tuple[str, list[tuple[st
     """:func:`launch_jobs` of each ``(message, jobs)`` of ``runs`` in fresh processes of its own (``message`` said as
     it starts), as many side by side as :func:`launches_at_once` allows; after all end, raise the first failed run's
     error. Returns the longest launch's seconds (what bounds a later re-run's time limit)."""
-    import time
     from concurrent.futures import ThreadPoolExecutor
 
     def one(run: tuple[str, list[tuple[str, RunConfig]]]) -> float:

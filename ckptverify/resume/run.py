@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckptverify.errors import ResumeRefusedError, UsageError
+from ckptverify.errors import CkptVerifyWarning, ResumeRefusedError, UsageError
 from ckptverify.options import VerifyOptions, verify_options
 from ckptverify.ownfiles.names import own_folder, write_atomic
 from ckptverify.state.distributed import rank_world
@@ -225,16 +225,14 @@ class Run:
 
             notes["loader"] = {"type": type(state.dataloader).__name__, "iterable": isinstance(
                 getattr(state.dataloader, "dataset", None), IterableDataset)}
-        from ckptverify.resume.unregistered import registered_bindings
+        from ckptverify.resume.unregistered import find_unregistered, missing_optimizer, registered_bindings
 
         caller = sys._getframe(1)
         self._bindings = (caller, registered_bindings(caller.f_locals, state))
         if self.config.trace_dir:
-            from ckptverify.resume.unregistered import find_unregistered, missing_optimizer
-
             notes["unregistered"] = find_unregistered(caller.f_locals, state)
             if self._production is None:
-                # A frame keeps its locals after return: read at close (`_write_held`).
+                # A frame keeps its locals after return: read at close (``held-rank<r>.json``).
                 self._held_frame = caller
             del caller
             notes["missing_optimizer"] = missing_optimizer(state)
@@ -264,7 +262,18 @@ class Run:
         if self._production is not None:
             # Before the trace hooks: a planted fault must precede the trace's view, as a real one would.
             self._production.began(state, self._restored_from)
-        self._open_trace()
+        if self.config.trace_dir and self._recorder is None:
+            from ckptverify.trace import TraceHeader, TraceRecorder
+            from ckptverify.trace.oplog import window_from_dict
+
+            header = TraceHeader(run=self.config.name, level=self.config.level, workload=self.config.workload,
+                                 detail=self.config.trace_detail)
+            window = window_from_dict(self.config.op_window) if self.config.op_window is not None else None
+            self._recorder = TraceRecorder(self.config.trace_dir, header=header, overwrite=True, window=window)
+            if self._production is not None:
+                self._production.traced_by(self._recorder)
+            if self.config.level != "metrics" and state.model is not None:
+                self._recorder.attach(state.model, optimizer=state.optimizers or None)
 
     def steps(self, loader: Iterable[Any] | None = None, *, micro_batches: int = 1) -> Iterator[Any]:
         """Yield batches from ``loader`` (or step numbers) until the stop step. ``micro_batches=K``: each item is the
@@ -286,15 +295,13 @@ class Run:
         if loader is None:
             it: Iterator[Any] = itertools.count(self._step + 1)
         else:
-            # Creating the iterator draws a base seed; the uninterrupted run drew it before the checkpoint, so
-            # a resumed run must not draw it again.
-            resumed = self._restored_from is not None and self.state is not None
-            if resumed:
-                from ckptverify.state.rng import capture_rng, restore_rng
+            from ckptverify.state.rng import capture_rng, restore_rng
 
-                before = capture_rng(self.state.rng.generators)
+            # Creating the iterator draws a base seed; the uninterrupted run drew it before the checkpoint, so
+            # a resumed run (restored from, with the state) must not draw it again.
+            before = capture_rng(self.state.rng.generators) if self._restored_from is not None else None
             it = _epochs(loader, own, self.state)
-            if resumed:
+            if before is not None:
                 restore_rng(before, self.state.rng.generators)
         self._pending = False
         while stop is None or self._step < stop:
@@ -309,7 +316,7 @@ class Run:
                 return
             self._pending = True
             if self._recorder is not None:
-                if self._traced(self._step + 1):
+                if (self._step + 1) % self.config.trace_every == 0:
                     # Before the step draws anything: a random stream that differs here is a cause.
                     self._recorder.record_step_start(self.state, step=self._step + 1)
                 else:
@@ -322,14 +329,28 @@ class Run:
             raise UsageError("run.record() must be called once per step yielded by run.steps()")
         self._pending = False
         if self._bindings is not None:
-            self._check_replaced()
+            from ckptverify.resume.unregistered import replaced_objects
+
+            # After the first step: warn about, and note for the harness, registered objects rebuilt after
+            # ``run.restore`` (the loop steps the new one; checkpoints hold the old one).
+            (frame, bindings), self._bindings = self._bindings, None
+            try:
+                replaced = replaced_objects(bindings, frame.f_locals, self.state)
+            finally:
+                del frame
+            for r in replaced:
+                warnings.warn(f"ckptverify: {r['name']} ({r['type']}) was rebuilt after run.restore(): the "
+                              f"TrainState saves and restores the {r['registered_type']} it was given as {r['field']}, "
+                              "not the one the loop uses; build it before run.restore(state), or register the new one",
+                              CkptVerifyWarning, stacklevel=2)
+            if replaced:
+                self._notes["replaced"] = [{**r, "step": self._step + 1} for r in replaced]
+                self._write_json(f"notes-rank{self._rank}.json", self._notes)
         self._step += 1
         if self.state is not None:
             self.state.counters.step = self._step
-        values = dict(metrics)
-        if loss is not None:
-            values["loss"] = loss
-        traced = self._traced(self._step)
+        values = {**metrics, "loss": loss} if loss is not None else dict(metrics)
+        traced = self._step % self.config.trace_every == 0
         if self._recorder is not None:
             if traced:
                 # ``[epoch, indices]`` of the last batch the tracked ``ResumableSampler`` handed out.
@@ -344,17 +365,22 @@ class Run:
         if self._step in self.config.save_at:
             self._save()
 
-    def _traced(self, step: int) -> bool:
-        return step % self.config.trace_every == 0
-
     def close(self) -> None:
         if self._recorder is not None:
             self._recorder.close()
             self._recorder = None
         frame, self._held_frame = self._held_frame, None
         if frame is not None:
-            self._write_held(frame)
+            from ckptverify.resume.unregistered import held_state
+
+            # Fingerprints of what the ``restore`` caller holds outside the ``TrainState`` at the end. A failure is
+            # written there, never raised: the run itself succeeded.
+            try:
+                data = held_state(frame.f_locals, self.state)
+            except Exception as exc:
+                data = {"error": f"{type(exc).__name__}: {exc}"}
             del frame  # its locals (model, loader, workers) go as the function's own would
+            self._write_json(f"held-rank{self._rank}.json", data)
         if self.config.trace_dir and self._rank == 0:
             self._write_json("run.json", {"name": self.config.name, "steps": self._step,
                                           "saved": self._saved, "world_size": self._world})
@@ -369,38 +395,6 @@ class Run:
             # After the group is gone: rank 0 may wait for verifications longer than a collective would.
             self._production.close(self._step)
             self._production = None
-
-    def _check_replaced(self) -> None:
-        """After the first step: warn about, and note for the harness, registered objects rebuilt after
-        ``run.restore`` (the loop steps the new one; checkpoints hold the old one)."""
-        from ckptverify.errors import CkptVerifyWarning
-        from ckptverify.resume.unregistered import replaced_objects
-
-        (frame, bindings), self._bindings = self._bindings, None
-        try:
-            replaced = replaced_objects(bindings, frame.f_locals, self.state)
-        finally:
-            del frame
-        if not replaced:
-            return
-        for r in replaced:
-            warnings.warn(f"ckptverify: {r['name']} ({r['type']}) was rebuilt after run.restore(): the TrainState "
-                          f"saves and restores the {r['registered_type']} it was given as {r['field']}, not the "
-                          f"one the loop uses; build it before run.restore(state), or register the new one",
-                          CkptVerifyWarning, stacklevel=3)
-        self._notes["replaced"] = [{**r, "step": self._step + 1} for r in replaced]
-        self._write_json(f"notes-rank{self._rank}.json", self._notes)
-
-    def _write_held(self, frame: Any) -> None:
-        """Write ``held-rank<r>.json``: fingerprints of what the ``restore`` caller holds outside the ``TrainState``
-        at the end. A failure is written there, never raised: the run itself succeeded."""
-        from ckptverify.resume.unregistered import held_state
-
-        try:
-            data = held_state(frame.f_locals, self.state)
-        except Exception as exc:
-            data = {"error": f"{type(exc).__name__}: {exc}"}
-        self._write_json(f"held-rank{self._rank}.json", data)
 
     def _save(self) -> None:
         from ckptverify.checkpoint.save import save
@@ -434,21 +428,6 @@ class Run:
         if self._production is not None:
             self._production.saved(self._step, path)
 
-    def _open_trace(self) -> None:
-        if not self.config.trace_dir or self._recorder is not None:
-            return
-        from ckptverify.trace import TraceHeader, TraceRecorder
-        from ckptverify.trace.oplog import window_from_dict
-
-        header = TraceHeader(run=self.config.name, level=self.config.level, workload=self.config.workload,
-                             detail=self.config.trace_detail)
-        window = window_from_dict(self.config.op_window) if self.config.op_window is not None else None
-        self._recorder = TraceRecorder(self.config.trace_dir, header=header, overwrite=True, window=window)
-        if self._production is not None:
-            self._production.traced_by(self._recorder)
-        if self.config.level != "metrics" and self.state is not None and self.state.model is not None:
-            self._recorder.attach(self.state.model, optimizer=self.state.optimizers or None)
-
     def _write_json(self, name: str, data: Any) -> None:
         if not self.config.trace_dir:
             return
@@ -468,9 +447,8 @@ def _epochs(loader: Iterable[Any], sampler: Any, state: Any) -> Iterator[Any]:
 
     def epoch() -> Iterator[Any]:
         inner = iter(loader)  # draws the base seed now
-        if sampler is None or stateful:
-            return inner
-        return sampler.track(inner, batch_size=getattr(loader, "batch_size", None))
+        return inner if sampler is None or stateful else \
+            sampler.track(inner, batch_size=getattr(loader, "batch_size", None))
 
     def batches(first: Iterator[Any]) -> Iterator[Any]:
         yield from first
@@ -493,9 +471,7 @@ def _start_values(state: Any) -> dict[str, Any]:
     out: dict[str, Any] = {f"start.rng.{kind}": state_digest(value)
                            for kind, value in capture_rng(state.rng.generators).items()
                            if kind != "cuda_device"}  # which device, not a stream: the trace has no such site
-    for cell in hparam_cells("start.hparam.", state.optimizers):
-        out[cell.site] = decode(cell.lanes, cell.encoding)
-    return out
+    return out | {c.site: decode(c.lanes, c.encoding) for c in hparam_cells("start.hparam.", state.optimizers)}
 
 
 def _init_group_from_env() -> bool:

@@ -138,13 +138,9 @@ def _where(div: FirstDivergence) -> str:
 
 
 def _forgotten(unregistered: tuple[Mapping[str, str], ...], missing_optimizer: str | None = None) -> str:
-    parts = [f"{u['name']} ({u['type']})" for u in unregistered]
-    text = ""
-    if missing_optimizer:
-        text += " No optimizer is registered in the TrainState."
-    if parts:
-        text += f" Not in the TrainState: {', '.join(parts)}."
-    return text
+    parts = ", ".join(f"{u['name']} ({u['type']})" for u in unregistered)
+    return (" No optimizer is registered in the TrainState." if missing_optimizer else "") + (
+        f" Not in the TrainState: {parts}." if parts else "")
 
 
 @dataclass
@@ -170,11 +166,10 @@ def _restore(c: _Case) -> Verdict | None:
         return None
     f = restore[0]
     ranks = sorted({x.location.rank for x in restore if x.location.rank is not None})
-    rank = ranks[0] if len(ranks) == 1 else None
     on = f" ({causes.ranks_text(ranks)}{', each on its own' if len(ranks) > 1 else ''})" if ranks else ""
     return Verdict("restore-mismatch", f"resume drops state: restored {f.location.fqn or 'state'} differs from "
                    f"what was saved{on}; {len(restore)} field(s) in all.{c.forgotten}",
-                   rank=rank, site=f.location.fqn, category="restore",
+                   rank=ranks[0] if len(ranks) == 1 else None, site=f.location.fqn, category="restore",
                    advice=causes.RESTORE_ADVICE + ".")
 
 
@@ -294,9 +289,7 @@ def _replaced(c: _Parted) -> Verdict | None:
     if not evidence.replaced:
         return None
     origins = div.origin_ranks or ()
-    ordered = sorted(evidence.replaced, key=lambda r: (r["run"] != "B", bool(origins) and r["rank"] not in origins,
-                                                       r["rank"]))
-    r = ordered[0]
+    r = min(evidence.replaced, key=lambda r: (r["run"] != "B", bool(origins) and r["rank"] not in origins, r["rank"]))
     ranks = sorted({x["rank"] for x in evidence.replaced if x["name"] == r["name"] and x["run"] == r["run"]})
     on = causes.ranks_text(ranks)
     field = r["field"]
@@ -339,10 +332,8 @@ def _step_hparams(c: _Parted) -> Verdict | None:
     if not (hstep or c.div.category == "scheduler" or any(s.startswith("scheduler") for s in sites)
             or (unsaved and lr_moved)):
         return None
-    if hstep:
-        what, site = causes.step_hparam_what(c.at, hstep)
-    else:
-        what, site = f"the learning rate differs at {c.at.when} ({_where(c.div)})", c.site
+    what, site = causes.step_hparam_what(c.at, hstep) if hstep else \
+        (f"the learning rate differs at {c.at.when} ({_where(c.div)})", c.site)
     cause, advice = causes.step_hparam_cause(unsaved)
     return Verdict("scheduler", f"{what}: {cause}. A batch or value that differs in the same step is a "
                    f"consequence.{c.said}", advice=advice + ".", **{**c.common, "site": site, "category": "scheduler"})
@@ -378,8 +369,7 @@ def _unregistered(c: _Parted) -> Verdict | None:
     if c.div.category not in _COMPUTED or not (evidence.missing_optimizer or evidence.unregistered):
         return None
     items = evidence.unregistered
-    optim = next((u for u in items if u["kind"] == "optimizer"), None)
-    named = optim or (items[0] if items else None)
+    named = next((u for u in items if u["kind"] == "optimizer"), items[0] if items else None)
     lead = ("no optimizer is registered in the TrainState, so B starts its moments from zero"
             if evidence.missing_optimizer else "state the TrainState does not hold drives the run")
     listed = _forgotten(items) + receivers_said(div) + _undetermined(div)

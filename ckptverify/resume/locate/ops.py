@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any
 
 from ckptverify.errors import UsageError
@@ -198,10 +199,9 @@ class Located:
 
     def sentence(self) -> str:
         """The verdict in one sentence."""
-        ranks = ranks_text(self.ranks)
         if not self.diverged:
-            text = (f"No divergence at step {self.step}: every op on {ranks} has equal inputs and outputs "
-                    f"in {self.repeats} repeat pair{'s' if self.repeats != 1 else ''}")
+            text = (f"No divergence at step {self.step}: every op on {ranks_text(self.ranks)} has equal inputs and "
+                    f"outputs in {self.repeats} repeat pair{'s' if self.repeats != 1 else ''}")
         else:
             text = self._origin_text() + self._receivers_text()
         return text + self._within_text() + "."
@@ -213,8 +213,9 @@ class Located:
                    f"here shows where it is born"
         who = f"rank {o.rank}" if o.rank is not None else \
             f"{ranks_text(tuple(x.rank for x in self.origins if x.rank is not None))} (each on its own)"
+        born = f"The divergence at step {self.step} is born on {who}"
         if o.op is None or o.occurrence is None:
-            return (f"The divergence at step {self.step} is born on {who} at different ops: "
+            return (f"{born} at different ops: "
                     + "; ".join(f"rank {x.rank}: {x.op} (occurrence {x.occurrence})" for x in self.origins))
         site = f"{o.op} ({_where(o.occurrence, o.phase, o.module)})"
         count = f"in {o.repeats_differing} of {self.repeats} repeat pairs"
@@ -222,37 +223,32 @@ class Located:
             pairs = self.side_pairs[0 if self.seen_in == "a" else 1]
             count = f"in {o.repeats_differing} of {pairs} pairs of repeats of {self._side(self.seen_in)}"
         if o.kind == "op":
-            return self._op_text(o, who, site, count)
+            return self._op_text(o, born, site, count)
         if o.kind == "collective":
-            return f"The divergence at step {self.step} is born on {who} in the collective {site}: every " \
-                   f"member's input to it was equal and its output differs {count}"
+            return f"{born} in the collective {site}: every member's input to it was equal and its output differs " \
+                   f"{count}"
         return self._unseen_text(o, who, site, count)
 
-    def _op_text(self, o: Origin, who: str, site: str, count: str) -> str:
+    def _op_text(self, o: Origin, born: str, site: str, count: str) -> str:
         """An origin op: nondeterministic within one side, another argument, another tensor read, on one side
         only, or equal inputs and different outputs."""
         if self.seen_in in ("a", "b"):
-            which = self._side(self.seen_in)
             how = "ran in only some of its repeats" if self.output is None and not self.arguments else \
                 "has equal inputs and different outputs across its repeats"
-            return (f"The divergence at step {self.step} is born on {who}: {site} {how} ({count}): it is "
-                    f"nondeterministic within {which}, whether or not the pairs of the two sides happened to differ "
-                    f"there")
+            return (f"{born}: {site} {how} ({count}): it is nondeterministic within {self._side(self.seen_in)}, "
+                    "whether or not the pairs of the two sides happened to differ there")
         if self.arguments:
             one = len(self.arguments) == 1
             named = ", ".join(f"{x['name']}: {x['a']} vs {x['b']}" if x["a"] is not None and x["b"] is not None
                               else f"{x['name']} differs" for x in self.arguments)
-            return (f"The divergence at step {self.step} is born on {who} at {o.op} {named} "
-                    f"({_where(o.occurrence, o.phase, o.module)}): its tensor "
-                    f"inputs are equal and {'one argument' if one else f'{len(self.arguments)} arguments'} other than "
-                    f"a tensor {'differs' if one else 'differ'} ({count})")
+            return (f"{born} at {o.op} {named} ({_where(o.occurrence, o.phase, o.module)}): its tensor inputs are "
+                    f"equal and {'one argument' if one else f'{len(self.arguments)} arguments'} other than a tensor "
+                    f"{'differs' if one else 'differ'} ({count})")
         if self.rewired:
-            return f"The divergence at step {self.step} is born on {who}: {site} reads other values than on " \
-                   f"the other side, each a value both sides had (it is called on another tensor: the call or " \
-                   f"the op sequence changed) ({count})"
+            return (f"{born}: {site} reads other values than on the other side, each a value both sides had (it is "
+                    f"called on another tensor: the call or the op sequence changed) ({count})")
         if self.one_side is not None:
-            return f"The divergence at step {self.step} is born on {who}: {site} ran on " \
-                   f"{self._side(self.one_side)} only ({count})"
+            return f"{born}: {site} ran on {self._side(self.one_side)} only ({count})"
         where = ""
         if self.output is not None:
             where = f" (output {self.output['index']}"
@@ -260,8 +256,7 @@ class Located:
                 start, end = self.output["elements"]
                 where += f", chunk {self.output['chunk']}: elements {start}..{end - 1}"
             where += ")"
-        return f"The divergence at step {self.step} is born on {who}: {site} has equal inputs and " \
-               f"different outputs{where} {count}"
+        return f"{born}: {site} has equal inputs and different outputs{where} {count}"
 
     def _unseen_text(self, o: Origin, who: str, site: str, count: str) -> str:
         """A value born where the op trace does not see (``untraced``), or already in the starting state."""
@@ -317,9 +312,8 @@ class Located:
         o = self.origin
         if self.seen_in in ("a", "b") and o is not None:
             return text
-        same = o is None or any(v.site.op == o.op and v.site.occurrence == o.occurrence and v.site.phase == o.phase
-                                and v.site.module == o.module for v in self.within_side)
-        if same:
+        if o is None or any(v.site.op == o.op and v.site.occurrence == o.occurrence and v.site.phase == o.phase
+                            and v.site.module == o.module for v in self.within_side):
             return text + ": the step is not deterministic, so a difference between the sides may be its natural " \
                           "variation"
         return text + ": the step is not deterministic there, but the sides part elsewhere"
@@ -353,13 +347,8 @@ def _argument_difference(a: OpEvent, b: OpEvent) -> tuple[dict[str, Any], ...]:
         return ()
     xa = {x.name: x for x in a.arguments}
     xb = {x.name: x for x in b.arguments}
-    out = []
-    for name in dict.fromkeys([*xa, *xb]):
-        va, vb = xa.get(name), xb.get(name)
-        if va is None or vb is None or va.digest != vb.digest:
-            out.append({"name": name, "a": va.text if va is not None else None,
-                        "b": vb.text if vb is not None else None})
-    return tuple(out)
+    return tuple({"name": n, "a": xa[n].text if n in xa else None, "b": xb[n].text if n in xb else None}
+                 for n in dict.fromkeys([*xa, *xb]) if n not in xa or n not in xb or xa[n].digest != xb[n].digest)
 
 
 def _own_difference(a: OpEvent, b: OpEvent) -> tuple[dict[str, Any] | None, tuple[dict[str, Any], ...]] | None:
@@ -398,12 +387,8 @@ def _output_difference(a: OpEvent, b: OpEvent) -> dict[str, Any] | None:
 def _chunk_difference(xs: Sequence[int] | None, ys: Sequence[int] | None) -> int | None:
     if xs is None or ys is None:
         return None
-    for c, (x, y) in enumerate(zip(xs, ys, strict=False)):
-        if _differs(x, y):
-            return c
-    if len(xs) != len(ys):
-        return min(len(xs), len(ys))
-    return None
+    first = next((c for c, (x, y) in enumerate(zip(xs, ys, strict=False)) if _differs(x, y)), None)
+    return first if first is not None or len(xs) == len(ys) else min(len(xs), len(ys))
 
 
 def _by_key(events: Sequence[OpEvent], *, what: str) -> dict[OpKey, OpEvent]:
@@ -446,13 +431,14 @@ class _Pair:
         self.kb = _by_key(b, what=what)
         self.a = sorted(self.ka.values(), key=lambda e: e.index)
         self.b = sorted(self.kb.values(), key=lambda e: e.index)
-        self._comm: tuple[dict[tuple[tuple[int, ...], int], OpEvent], ...] | None = None
+
+    @cached_property
+    def _comm(self) -> tuple[dict[tuple[tuple[int, ...], int], OpEvent], ...]:
+        return tuple({(e.comm.group, e.comm.seq): e for e in reversed(events) if e.comm is not None}
+                     for events in (self.a, self.b))
 
     def comm_event(self, group: tuple[int, ...], seq: int) -> tuple[OpEvent | None, OpEvent | None]:
         """Each side's collective of ``group`` with sequence number ``seq``."""
-        if self._comm is None:
-            self._comm = tuple({(e.comm.group, e.comm.seq): e for e in reversed(events) if e.comm is not None}
-                               for events in (self.a, self.b))
         return self._comm[0].get((group, seq)), self._comm[1].get((group, seq))
 
     def first(self) -> _First | None:
@@ -514,11 +500,9 @@ def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -
     first = pairs[rank].first()
     if first is None:
         return None
-    if first.what in ("one-sided", "arguments"):
+    if first.what in ("one-sided", "arguments") or first.rewired:
         return _Verdict("op", first)
     if first.what == "inputs":
-        if first.rewired:
-            return _Verdict("op", first)
         via = _through_unseen_output(rank, first, pairs)
         if via is not None:
             return _Verdict("receiver", first, via, seen=False)
@@ -533,12 +517,23 @@ def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -
 
 def _fed(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> tuple[Via, bool | None]:
     """The collective or receive ``event`` as a :class:`Via` (senders: the members, same group and seq, whose input
-    differed), and whether another rank fed it a difference (``None``: no log tells)."""
+    differed, or a receive's peer), and whether another rank fed it a difference (``None``: no log tells); the k-th
+    receive from a peer pairs with the peer's k-th send here."""
     c = event.comm
     assert c is not None
     if c.peer is not None and c.collective in RECV:
-        return Via(collective=c.collective, group=c.group, seq=c.seq, senders=(c.peer,)), \
-            _peer_sent_differently(rank, event, pairs)
+        via = Via(collective=c.collective, group=c.group, seq=c.seq, senders=(c.peer,))
+        peer = pairs.get(c.peer)
+        if peer is None:
+            return via, None
+        mine = [e for e in pairs[rank].a if e.comm is not None and e.comm.peer == c.peer and e.comm.collective in RECV]
+        k = next((i for i, e in enumerate(mine) if e.key == event.key), None)
+        # The peer's sends to this rank in A's order, each with B's event of the same key.
+        sends = [(e, peer.kb.get(e.key)) for e in peer.a
+                 if e.comm is not None and e.comm.peer == rank and e.comm.collective not in RECV]
+        if k is None or k >= len(sends) or sends[k][1] is None:
+            return via, None
+        return via, _inputs_differ(*sends[k])  # type: ignore[arg-type]
     senders: list[int] = []
     complete = True  # every member's log holds the collective
     for member in c.group:
@@ -553,30 +548,6 @@ def _fed(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> tuple[Via, bo
     return via, True if senders else (False if complete else None)
 
 
-def _peer_sent_differently(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> bool | None:
-    """Whether the peer's send matching receive ``event`` had a differing input (``None``: no log tells); the k-th
-    receive from a peer pairs with its k-th send here."""
-    comm = event.comm
-    assert comm is not None and comm.peer is not None
-    peer = pairs.get(comm.peer)
-    if peer is None:
-        return None
-    mine = [e for e in pairs[rank].a if e.comm is not None and e.comm.peer == comm.peer and e.comm.collective in RECV]
-    k = next((i for i, e in enumerate(mine) if e.key == event.key), None)
-    # The peer's sends to this rank in A's order, each with B's event of the same key.
-    sends = [(e, peer.kb.get(e.key)) for e in peer.a
-             if e.comm is not None and e.comm.peer == rank and e.comm.collective not in RECV]
-    if k is None or k >= len(sends) or sends[k][1] is None:
-        return None
-    sa, sb = sends[k]
-    assert sb is not None
-    return _inputs_differ(sa, sb)
-
-
-def _unseen(e: OpEvent) -> bool:
-    return not e.outputs or any(x is None for x in e.outputs)
-
-
 def _through_unseen_output(rank: int, first: _First, pairs: Mapping[int, _Pair]) -> Via | None:
     """For a first difference in inputs: the earliest earlier collective or receive whose output was not
     fingerprinted (in flight) and into which another rank fed a difference: the likely way it arrived."""
@@ -585,8 +556,8 @@ def _through_unseen_output(rank: int, first: _First, pairs: Mapping[int, _Pair])
         if e.index >= first.event.index:
             break
         other = pair.kb.get(e.key)
-        if e.comm is None or other is None or not (_unseen(e) or _unseen(other)):
-            continue
+        if e.comm is None or other is None or all(x.outputs and None not in x.outputs for x in (e, other)):
+            continue  # not a collective, or its output fingerprinted on both sides
         via, fed = _fed(rank, e, pairs)
         if fed:
             return via
@@ -618,7 +589,6 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
     :class:`~ckptverify.errors.UsageError` on malformed or empty logs."""
     la, lb = _check_logs(a, "A"), _check_logs(b, "B")
     ranks = tuple(sorted(set(la) & set(lb)))
-    missing = tuple(sorted(set(la) ^ set(lb)))
     per_side = {side: min((len(logs[r]) for r in ranks), default=0) for side, logs in (("a", la), ("b", lb))}
     repeats = min(per_side.values())
     if not ranks or repeats == 0:
@@ -671,13 +641,11 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
         origins.append(Origin(kind=chosen.kind, rank=r, step=e.step, phase=e.phase, module=e.module, op=e.op,
                               occurrence=e.occurrence, repeats_differing=count))
 
-    origin = _combine(origins)
-    one = details[origins[0].rank] if len(origins) == 1 and origins[0].rank is not None else None
-    first = one[0].first if one is not None else None
+    first = details[origins[0].rank][0].first if len(origins) == 1 else None  # type: ignore[index]
     sources = {src for _, src in details.values()}
     seen_in = sources.pop() if len(sources) == 1 else "ab"
     return Located(
-        step=step, ranks=ranks, repeats=repeats, origin=origin,
+        step=step, ranks=ranks, repeats=repeats, origin=_combine(origins),
         origins=tuple(origins) if len(origins) > 1 else (),
         receivers=tuple(receivers),
         one_side=first.side if first is not None and first.what == "one-sided" and seen_in == "ab" else None,
@@ -688,8 +656,8 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
         if first is not None and first.what == "inputs" and first.last_equal is not None else None,
         produced_in_step=first.produced_in_step if first is not None and first.what == "inputs" else None,
         state_equal=state_equal,
-        within_side=tuple(v for side in "ab" for v in _within_side(compared, side, ranks, per_side[side])),
-        missing=missing,
+        within_side=tuple(v for side in "ab" for v in _within_side(compared, side, per_side[side])),
+        missing=tuple(sorted(set(la) ^ set(lb))),
         seen_in=seen_in,
         names=(str(names[0]), str(names[1])),
         deterministic=tuple(x for x in ("a", "b") if x in deterministic),
@@ -726,31 +694,26 @@ def _op_differs(a: Sequence[OpEvent], b: Sequence[OpEvent], key: OpKey) -> bool:
 
 
 def _combine(origins: list[Origin]) -> Origin | None:
-    if not origins:
-        return None
-    if len(origins) == 1:
-        return origins[0]
+    if len(origins) <= 1:
+        return origins[0] if origins else None
 
     def same(name: str) -> Any:
         values = {getattr(o, name) for o in origins}
         return values.pop() if len(values) == 1 else None
 
-    kinds = {o.kind for o in origins}
-    return Origin(kind=kinds.pop() if len(kinds) == 1 else "op", rank=None, step=min(o.step for o in origins),
+    return Origin(kind=same("kind") or "op", rank=None, step=min(o.step for o in origins),
                   phase=same("phase"), module=same("module"), op=same("op"), occurrence=same("occurrence"),
                   repeats_differing=min(o.repeats_differing for o in origins))
 
 
-def _within_side(compared: Sequence[tuple[str, dict[int, _Verdict], Any]], side: str, ranks: tuple[int, ...],
-                 count: int) -> tuple[SideVariation, ...]:
+def _within_side(compared: Sequence[tuple[str, dict[int, _Verdict], Any]], side: str, count: int
+                 ) -> tuple[SideVariation, ...]:
     """Ranks where a side's repeats first differ from its first repeat by birth (receivers only when no rank shows
     the birth)."""
     firsts: dict[int, list[_Verdict]] = {}
     for src, verdicts, _ in compared:
-        if src == side:
-            for r in ranks:
-                if r in verdicts:
-                    firsts.setdefault(r, []).append(verdicts[r])
+        for r, v in verdicts.items() if src == side else ():
+            firsts.setdefault(r, []).append(v)
     born = [r for r, vs in firsts.items() if any(v.kind != "receiver" for v in vs)] or list(firsts)
     return tuple(SideVariation(side=side, rank=r, site=_site(r, firsts[r][0].first.event),
                                repeats_differing=len(firsts[r]), repeats=count) for r in sorted(born))
