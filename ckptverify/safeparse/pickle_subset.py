@@ -88,8 +88,7 @@ _ANY, _TUPLE, _TUPLE_MEMO, _WRAPPED, _WRAPPED_MEMO, _CALLED = range(6)
 def in_fast_subset(data: bytes) -> bool:
     """True if the C unpickler reads ``data`` exactly as the reference does (given the metadata stand-ins), without
     unbounded allocation, recursion or hashing. Linear in ``len(data)``."""
-    n = len(data)
-    if n < 3 or data[0] != 0x80 or not 2 <= data[1] <= 5:
+    if len(data) < 3 or data[0] != 0x80 or not 2 <= data[1] <= 5:
         return False
     return _Pass(data).run()
 

@@ -112,9 +112,6 @@ class Opaque:
         obj.state = None
         return obj
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
