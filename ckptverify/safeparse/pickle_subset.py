@@ -156,7 +156,7 @@ class _Pass:
             # by a frame boundary): one opcode at a time.
             if op == _MEMOIZE and state in (_TUPLE, _WRAPPED):
                 if state == _TUPLE:
-                    self.flush(len(self.uncounted))
+                    self.flush()
                     self.pending_memo = self.memos
                 self.memos += 1
                 state += 1
@@ -180,16 +180,16 @@ class _Pass:
                 return False
             pos += 1
 
-    def flush(self, upto: int) -> None:
-        """Count the MEMOIZEs of the first ``upto`` runs not counted yet."""
-        for start, stop in self.uncounted[:upto]:
+    def flush(self) -> None:
+        """Count the MEMOIZEs of the runs not counted yet."""
+        for start, stop in self.uncounted:
             self.memos += len(_MEMOIZES.findall(self.data, start, stop))
-        del self.uncounted[:upto]
+        self.uncounted.clear()
 
     def flat_literals(self, start: int, stop: int) -> bool:
         """Entries ``key: (key,)`` in ``[start, stop)``: each 1-tuple a literal of one earlier non-literal memo entry.
         """
-        self.flush(len(self.uncounted))
+        self.flush()
         first = self.memos
         literals = self.literal_memos
         items = _FLAT_ITEMS.findall(self.data, start, stop)
@@ -206,11 +206,11 @@ class _Pass:
         runs = self.uncounted
         last = runs[-1] if runs and runs[-1][1] == stop else (stop, stop)
         if stop - last[0] > _MAX_RESCAN:
-            self.flush(len(runs))
+            self.flush()
             return False
         if last[1] > last[0]:
             runs.pop()
-        self.flush(len(runs))
+        self.flush()
         start = last[0]
         memos = self.memos
         values: list[tuple[int, int]] = []  # (opcode, memo index or -1) of the values since the last MARK

@@ -224,26 +224,9 @@ def _segment(own: str, info: dict[str, Any]) -> str | None:
     return None if seg == "" and not info.get("size") else seg
 
 
-def _entries(url: str) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
-    """One fresh listing of ``url``: (the entries a path reaches, the unaddressable ones with their names)."""
-    fs, path = filesystem(url)
-    forget(url)  # a listing is the truth now: what changed since the last one must show
-    entries = _store_call(url, "a listing", fs.ls, path, True)
-    own = path.rstrip("/")
-    if len(entries) == 1 and entries[0].get("type") == "file" and entries[0]["name"].rstrip("/") == own:
-        raise NotADirectoryError(20, "Not a directory", url)
-    good, odd = [], []
-    for e in entries:
-        seg = _segment(own, e)
-        if seg is not None:
-            # Unaddressable: a ``.``, ``..`` or empty segment, or a ``/`` the listing should have split at.
-            (odd if seg in ("", ".", "..") or "/" in seg else good).append((seg, e))
-    return [e for _, e in good], odd
-
-
 def listdir(url: str) -> list[str]:
     """Names directly under ``url``, listed afresh; unaddressable keys are left out (:meth:`_Scan.unaddressable`)."""
-    return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in _entries(url)[0]]
+    return [e.name for e in scandir(url)]
 
 
 class _Entry:
@@ -297,8 +280,19 @@ class _Scan(list[_Entry]):
 
 def scandir(url: str) -> _Scan:
     """Entries directly under ``url`` (one fresh listing), as ``os.scandir``; unaddressable keys left out."""
-    good, odd = _entries(url)
-    return _Scan(url, [_Entry(url, e) for e in good], odd)
+    fs, path = filesystem(url)
+    forget(url)  # a listing is the truth now: what changed since the last one must show
+    entries = _store_call(url, "a listing", fs.ls, path, True)
+    own = path.rstrip("/")
+    if len(entries) == 1 and entries[0].get("type") == "file" and entries[0]["name"].rstrip("/") == own:
+        raise NotADirectoryError(20, "Not a directory", url)
+    good, odd = [], []
+    for e in entries:
+        seg = _segment(own, e)
+        if seg is not None:
+            # Unaddressable: a ``.``, ``..`` or empty segment, or a ``/`` the listing should have split at.
+            (odd if seg in ("", ".", "..") or "/" in seg else good).append((seg, e))
+    return _Scan(url, [_Entry(url, e) for _, e in good], odd)
 
 
 def probe(url: str, method: str) -> bool:
