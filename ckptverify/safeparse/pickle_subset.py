@@ -102,13 +102,12 @@ class _Pass:
         #: Memo entries holding a tuple literal, and entries known to hold a plain value.
         self.literal_memos: set[int] = set()
         self.plain_memos: set[int] = set()
-        #: The memo index the tuple being decided on got (when a MEMOIZE followed it).
-        self.pending_memo = -1
 
     def run(self) -> bool:
         data, n = self.data, len(self.data)
         pos, end, framed, state = 2, n, False, _ANY
         literal = False  # the pending tuple may stand as a literal (if no consumer follows)
+        pending_memo = -1  # the memo index that tuple got (when a MEMOIZE followed it)
         while True:
             if framed and pos == end:
                 framed, end = False, n
@@ -157,7 +156,7 @@ class _Pass:
             if op == _MEMOIZE and state in (_TUPLE, _WRAPPED):
                 if state == _TUPLE:
                     self.flush()
-                    self.pending_memo = self.memos
+                    pending_memo = self.memos
                 self.memos += 1
                 state += 1
             elif op == _BUILD and state in (_TUPLE, _TUPLE_MEMO):
@@ -173,7 +172,7 @@ class _Pass:
                 state = _ANY
             elif state == _CALLED or (state in (_TUPLE, _TUPLE_MEMO) and literal):
                 if state == _TUPLE_MEMO:
-                    self.literal_memos.add(self.pending_memo)
+                    self.literal_memos.add(pending_memo)
                 state = _ANY  # read what follows as any other opcode
                 continue
             else:
