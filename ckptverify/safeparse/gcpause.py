@@ -14,11 +14,10 @@ from contextlib import contextmanager
 @contextmanager
 def paused_gc() -> Iterator[None]:
     """Disable the cyclic collector for the block if enabled; nesting is harmless (the outermost re-enables)."""
-    if not gc.isenabled():
-        yield
-        return
+    enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()

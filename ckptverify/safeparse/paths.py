@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ckptverify.errors import StorageError
+
 __all__ = ["MAX_WALK_DEPTH", "MAX_WALK_ENTRIES", "FolderWalk", "WalkNote", "abspath", "exists", "is_url", "isdir",
            "isfile", "islink", "lexists", "listdir", "lstat", "normpath", "safe_relative_path", "scandir", "stat"]
 
@@ -137,20 +139,15 @@ class FolderWalk:
     """A bounded top-down walk of ``top`` (a folder, or a URL's prefix listed afresh).
 
     Yields ``(rel, dirs, files)`` per folder (``rel`` ``""`` for the top, entries sorted; ``dirs`` may be pruned in
-    place). Links are never followed, no folder is entered twice (bind-mount loops), and ``max_depth``/``max_entries``
-    bound the walk. What was not seen is in :attr:`problems`: a caller judging the tree must report them.
+    place). Links are never followed, no folder is entered twice (bind-mount loops), :data:`MAX_WALK_DEPTH` and
+    ``max_entries`` bound the walk. What was not seen is in :attr:`problems`: a caller judging it must report them.
     """
 
-    def __init__(self, top: str, *, max_depth: int | None = None, max_entries: int | None = None) -> None:
+    def __init__(self, top: str, *, max_entries: int | None = None) -> None:
         self.top = top
-        self.max_depth = MAX_WALK_DEPTH if max_depth is None else max_depth
         self.max_entries = MAX_WALK_ENTRIES if max_entries is None else max_entries
         self.problems: list[WalkNote] = []
         self.seen = 0
-
-    @property
-    def complete(self) -> bool:
-        return not self.problems
 
     def files(self) -> Iterator[tuple[Any, os.stat_result]]:
         """Every entry that is not a folder, with its ``lstat`` (one that vanished since it was listed is skipped)."""
@@ -175,9 +172,9 @@ class FolderWalk:
                 return  # the entry bound: noted
             dirs, files = listed
             yield rel, dirs, files
-            if dirs and depth >= self.max_depth:
+            if dirs and depth >= MAX_WALK_DEPTH:
                 self._note("depth", rel, f"{len(dirs)} folder(s) in it, {depth} levels down, were not entered "
-                           f"(at most {self.max_depth} levels are)")
+                           f"(at most {MAX_WALK_DEPTH} levels are)")
                 continue
             stack.extend((d.path, f"{rel}/{d.name}" if rel else d.name, depth + 1) for d in reversed(dirs))
 
@@ -195,8 +192,6 @@ class FolderWalk:
     def _list(self, path: str, rel: str) -> tuple[list[Any], list[Any]] | None:
         """(folders, other entries) of ``path``; ``([], [])`` if unlistable, ``None`` once the entry bound is reached.
         """
-        from ckptverify.errors import StorageError
-
         dirs: list[Any] = []
         files: list[Any] = []
         try:

@@ -88,8 +88,7 @@ _ANY, _TUPLE, _TUPLE_MEMO, _WRAPPED, _WRAPPED_MEMO, _CALLED = range(6)
 def in_fast_subset(data: bytes) -> bool:
     """True if the C unpickler reads ``data`` exactly as the reference does (given the metadata stand-ins), without
     unbounded allocation, recursion or hashing. Linear in ``len(data)``."""
-    n = len(data)
-    if n < 3 or data[0] != 0x80 or not 2 <= data[1] <= 5:
+    if len(data) < 3 or data[0] != 0x80 or not 2 <= data[1] <= 5:
         return False
     return _Pass(data).run()
 
@@ -103,13 +102,12 @@ class _Pass:
         #: Memo entries holding a tuple literal, and entries known to hold a plain value.
         self.literal_memos: set[int] = set()
         self.plain_memos: set[int] = set()
-        #: The memo index the tuple being decided on got (when a MEMOIZE followed it).
-        self.pending_memo = -1
 
     def run(self) -> bool:
         data, n = self.data, len(self.data)
         pos, end, framed, state = 2, n, False, _ANY
         literal = False  # the pending tuple may stand as a literal (if no consumer follows)
+        pending_memo = -1  # the memo index that tuple got (when a MEMOIZE followed it)
         while True:
             if framed and pos == end:
                 framed, end = False, n
@@ -157,8 +155,8 @@ class _Pass:
             # by a frame boundary): one opcode at a time.
             if op == _MEMOIZE and state in (_TUPLE, _WRAPPED):
                 if state == _TUPLE:
-                    self.flush(len(self.uncounted))
-                    self.pending_memo = self.memos
+                    self.flush()
+                    pending_memo = self.memos
                 self.memos += 1
                 state += 1
             elif op == _BUILD and state in (_TUPLE, _TUPLE_MEMO):
@@ -174,23 +172,23 @@ class _Pass:
                 state = _ANY
             elif state == _CALLED or (state in (_TUPLE, _TUPLE_MEMO) and literal):
                 if state == _TUPLE_MEMO:
-                    self.literal_memos.add(self.pending_memo)
+                    self.literal_memos.add(pending_memo)
                 state = _ANY  # read what follows as any other opcode
                 continue
             else:
                 return False
             pos += 1
 
-    def flush(self, upto: int) -> None:
-        """Count the MEMOIZEs of the first ``upto`` runs not counted yet."""
-        for start, stop in self.uncounted[:upto]:
+    def flush(self) -> None:
+        """Count the MEMOIZEs of the runs not counted yet."""
+        for start, stop in self.uncounted:
             self.memos += len(_MEMOIZES.findall(self.data, start, stop))
-        del self.uncounted[:upto]
+        self.uncounted.clear()
 
     def flat_literals(self, start: int, stop: int) -> bool:
         """Entries ``key: (key,)`` in ``[start, stop)``: each 1-tuple a literal of one earlier non-literal memo entry.
         """
-        self.flush(len(self.uncounted))
+        self.flush()
         first = self.memos
         literals = self.literal_memos
         items = _FLAT_ITEMS.findall(self.data, start, stop)
@@ -207,11 +205,11 @@ class _Pass:
         runs = self.uncounted
         last = runs[-1] if runs and runs[-1][1] == stop else (stop, stop)
         if stop - last[0] > _MAX_RESCAN:
-            self.flush(len(runs))
+            self.flush()
             return False
         if last[1] > last[0]:
             runs.pop()
-        self.flush(len(runs))
+        self.flush()
         start = last[0]
         memos = self.memos
         values: list[tuple[int, int]] = []  # (opcode, memo index or -1) of the values since the last MARK

@@ -277,11 +277,10 @@ class ReadOnlyFile(Folding):
             return None
         try:
             st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and _signature(st) == self._signature:
+                return fd
         except OSError:
-            os.close(fd)
-            return None
-        if stat.S_ISREG(st.st_mode) and _signature(st) == self._signature:
-            return fd
+            pass
         os.close(fd)
         return None
 

@@ -19,7 +19,7 @@ import stat as stat_module
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from typing import Any
@@ -140,7 +140,7 @@ def _pool_executor() -> ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=max(1, CONCURRENCY), thread_name_prefix="ckptverify-get")
+            _pool = ThreadPoolExecutor(max_workers=CONCURRENCY, thread_name_prefix="ckptverify-get")
         return _pool
 
 
@@ -224,26 +224,9 @@ def _segment(own: str, info: dict[str, Any]) -> str | None:
     return None if seg == "" and not info.get("size") else seg
 
 
-def _entries(url: str) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
-    """One fresh listing of ``url``: (the entries a path reaches, the unaddressable ones with their names)."""
-    fs, path = filesystem(url)
-    forget(url)  # a listing is the truth now: what changed since the last one must show
-    entries = _store_call(url, "a listing", fs.ls, path, True)
-    own = path.rstrip("/")
-    if len(entries) == 1 and entries[0].get("type") == "file" and entries[0]["name"].rstrip("/") == own:
-        raise NotADirectoryError(20, "Not a directory", url)
-    good, odd = [], []
-    for e in entries:
-        seg = _segment(own, e)
-        if seg is not None:
-            # Unaddressable: a ``.``, ``..`` or empty segment, or a ``/`` the listing should have split at.
-            (odd if seg in ("", ".", "..") or "/" in seg else good).append((seg, e))
-    return [e for _, e in good], odd
-
-
 def listdir(url: str) -> list[str]:
     """Names directly under ``url``, listed afresh; unaddressable keys are left out (:meth:`_Scan.unaddressable`)."""
-    return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in _entries(url)[0]]
+    return [e.name for e in scandir(url)]
 
 
 class _Entry:
@@ -261,12 +244,12 @@ class _Entry:
         return _stat_result(self._info)
 
 
-class _Scan:
+class _Scan(list[_Entry]):
     """:func:`scandir`'s entries, iterated in a ``with`` block as ``os.scandir``'s, and :meth:`unaddressable`."""
 
     def __init__(self, url: str, entries: list[_Entry], odd: list[tuple[str, dict[str, Any]]]) -> None:
+        super().__init__(entries)
         self._url = url
-        self._entries = entries
         self._odd = odd
 
     def __enter__(self) -> _Scan:
@@ -274,9 +257,6 @@ class _Scan:
 
     def __exit__(self, *exc: object) -> None:
         pass
-
-    def __iter__(self) -> Iterator[_Entry]:
-        return iter(self._entries)
 
     def unaddressable(self, limit: int) -> tuple[list[str], bool]:
         """Keys under the prefix no path reaches, as stored relative to it, sorted; at most ``limit``, and whether there
@@ -300,8 +280,19 @@ class _Scan:
 
 def scandir(url: str) -> _Scan:
     """Entries directly under ``url`` (one fresh listing), as ``os.scandir``; unaddressable keys left out."""
-    good, odd = _entries(url)
-    return _Scan(url, [_Entry(url, e) for e in good], odd)
+    fs, path = filesystem(url)
+    forget(url)  # a listing is the truth now: what changed since the last one must show
+    entries = _store_call(url, "a listing", fs.ls, path, True)
+    own = path.rstrip("/")
+    if len(entries) == 1 and entries[0].get("type") == "file" and entries[0]["name"].rstrip("/") == own:
+        raise NotADirectoryError(20, "Not a directory", url)
+    good, odd = [], []
+    for e in entries:
+        seg = _segment(own, e)
+        if seg is not None:
+            # Unaddressable: a ``.``, ``..`` or empty segment, or a ``/`` the listing should have split at.
+            (odd if seg in ("", ".", "..") or "/" in seg else good).append((seg, e))
+    return _Scan(url, [_Entry(url, e) for _, e in good], odd)
 
 
 def probe(url: str, method: str) -> bool:
@@ -356,7 +347,7 @@ class RemoteFile(Folding):
         self.size = int(info.get("size") or 0)
         self._signature = _signature(info)
         self._etag = str(info.get("ETag") or "")
-        self._s3 = hasattr(self._fs, "_call_s3") and hasattr(self._fs, "split_path")
+        self._if_match = hasattr(self._fs, "_call_s3") and hasattr(self._fs, "split_path") and bool(self._etag)
         self._serial = next(_serials)  # never reused (an id() may be): a block is never served to another file
         self._indexes: set[int] = set()
         self._last_read = time.monotonic()  # when the last read ended: an end check must list after it
@@ -374,9 +365,8 @@ class RemoteFile(Folding):
         if end <= start:
             return b""
         retries = 0
-        if_match = self._s3 and bool(self._etag)
         try:
-            if if_match:
+            if self._if_match:
                 from fsspec.asyn import sync
 
                 bucket, key, _ = self._fs.split_path(self._key)
@@ -398,7 +388,7 @@ class RemoteFile(Folding):
             raise FileChangedError(f"{self.path} changed while it was verified: the object is gone",
                                    self.path) from None
         except Exception as exc:
-            if if_match and _precondition_failed(exc):
+            if self._if_match and _precondition_failed(exc):
                 raise FileChangedError(f"{self.path} changed while it was verified: its ETag is no longer "
                                        f"{self._etag} (the object was replaced)", self.path) from None
             raise StorageError(f"{self.path}: the store did not serve bytes {start}-{end - 1} after its retries "
@@ -441,8 +431,7 @@ class RemoteFile(Folding):
         want = min(n, self.size - offset)
         first, last = offset // _BLOCK_BYTES, (offset + want - 1) // _BLOCK_BYTES
         if last - first <= 1 and want <= _BLOCK_BYTES:  # small: through the block cache
-            parts = [self._block(i) for i in range(first, last + 1)]
-            joined = parts[0] if len(parts) == 1 else b"".join(parts)
+            joined = b"".join([self._block(i) for i in range(first, last + 1)])  # one block: that very object
             lo = offset - first * _BLOCK_BYTES
             return joined[lo: lo + want]
         out = bytearray()
@@ -490,9 +479,7 @@ class RemoteFile(Folding):
         try:
             listed = _listed_after(self._fs, posixpath.dirname(self._key.rstrip("/")), self._last_read)
         except FileNotFoundError:
-            listed = {}
-        except StorageError:
-            raise  # the store failed, not the object: the command could not run
+            listed = {}  # a store failing (StorageError) is no change of the object: the command could not run
         info = listed.get(self._key.rstrip("/"))
         if info is None:
             return "its name no longer opens it (no such object)"

@@ -112,9 +112,6 @@ class Opaque:
         obj.state = None
         return obj
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
@@ -325,11 +322,9 @@ def _check_attributes(label: str, state: dict[str, Any], part_type: type | None)
             what = "inner tensor" if part_type is not None and isinstance(value, part_type) else "attribute"
             raise BadPickle(f"{label} has no {what} {key[:40]!r}")
     for key, (kind, optional) in kinds.items():
-        if key not in state:
-            if optional:
-                continue
+        if key not in state and not optional:
             raise BadPickle(f"{label} record without its {key!r}")
-        if not _is_kind(state[key], kind, part_type):
+        if key in state and not _is_kind(state[key], kind, part_type):
             raise BadPickle(f"a tensor subclass attribute of type {type(state[key]).__name__} is not "
                             f"what {label}.{key} holds ({kind.rsplit('.', 1)[-1]})")
 

@@ -263,16 +263,12 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
         target = self.stack[-1]
         if not items:
             return  # the C unpickler appends nothing, to anything
-        try:
-            extend = target.extend
-        except AttributeError:
-            pass
-        else:
+        extend = getattr(target, "extend", None)
+        if extend is not None:
             extend(items)
-            return
-        append = target.append
-        for item in items:
-            append(item)
+        else:
+            for item in items:
+                target.append(item)
 
     def load_setitem(self) -> None:
         value = self.stack.pop()
@@ -344,20 +340,10 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
         return items
 
 
-#: The opcodes :class:`ReferenceUnpickler` reads its own way, and the methods that do.
-_OVERRIDES = ((pickle.BUILD, "load_build"), (pickle.NEWOBJ, "load_newobj"), (pickle.NEWOBJ_EX, "load_newobj_ex"),
-              (pickle.REDUCE, "load_reduce"), (pickle.APPENDS, "load_appends"), (pickle.SETITEM, "load_setitem"),
-              (pickle.SETITEMS, "load_setitems"), (pickle.DICT, "load_dict"), (pickle.ADDITEMS, "load_additems"),
-              (pickle.FROZENSET, "load_frozenset"), (pickle.FRAME, "load_frame"), (pickle.PUT, "load_put"),
-              (pickle.BINPUT, "load_binput"), (pickle.LONG_BINPUT, "load_long_binput"))
-
-
 def _dispatch(cls: type[ReferenceUnpickler]) -> dict[int, Any]:
-    """The dispatch table of a configuration: pickle's own, with the overrides (as ``cls`` defines them) and
-    the configuration's refused opcodes."""
-    table = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
-    for op, name in _OVERRIDES:
-        table[op[0]] = getattr(cls, name)
+    """The dispatch table of a configuration: pickle's, each opcode read by ``cls``'s method of the name pickle's
+    has (so its overrides), and the configuration's refused opcodes."""
+    table = {op: getattr(cls, fn.__name__) for op, fn in pickle._Unpickler.dispatch.items()}  # type: ignore[attr-defined]
     for op in cls.refused_opcodes:
         table[op[0]] = cls._refuse_opcode
     return table

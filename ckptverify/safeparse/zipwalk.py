@@ -112,8 +112,6 @@ def parse_archive(read: Reader, length: int, *, crc_fields: dict[str, list[int]]
         _, l_disk, z64_at, l_disks = _unpack("<4sIQI", tail, locator_at - tail_at, "zip64 locator", tail_at)
         if l_disk != 0 or l_disks != 1 or z64_at != locator_at - 56:
             raise ArchiveError("zip64 end locator fields are inconsistent", locator_at, eocd_at)
-        if z64_at < 0:
-            raise ArchiveError("zip64 end record lies before the item", locator_at, eocd_at)
         z = _unpack("<4sQHHIIQQQQ", read(z64_at, 56), 0, "zip64 end record", z64_at)
         zsig, zsize, made_by, needed, zdisk, zcd_disk, zn_disk, zn_total, zcd_size, zcd_offset = z
         if zsig != _EOCD64 or zsize != 44 or zdisk != 0 or zcd_disk != 0 or zn_disk != zn_total:
@@ -373,8 +371,7 @@ def _zip64_values(extra: bytes, usize: int, csize: int, lh_off: int, where: int)
         tag, size = struct.unpack_from("<HH", extra, at)
         body = extra[at + 4 : at + 4 + size]
         if tag == _ZIP64_EXTRA:
-            vals = [v[0] for v in struct.iter_unpack("<Q", body[: len(body) // 8 * 8])]
-            it = iter(vals)
+            it = (v[0] for v in struct.iter_unpack("<Q", body[: len(body) // 8 * 8]))
             try:
                 if usize == 0xFFFFFFFF:
                     usize = next(it)
