@@ -320,13 +320,10 @@ class _DescribedSide(_Side):
             if where.fqn is not None:  # by its own name, and as a folder names a tensor of a non-weight file
                 named.update((where.fqn, f"{file}:{where.fqn}") if folder and file else (where.fqn,))
         proven = _manifest_proven(root, self.desc, {n for n, checks in whole.items() if checks == {"manifest-digest"}})
-        self.damaged = set()
-        for t in self.desc.tensors.values():
-            for p in t.payloads:
-                end = p.offset + p.length
-                if (t.name in named or any(lo < end and p.offset < hi for lo, hi in ranged.get(p.file, []))
-                        or (p.file in whole and (p.file, p.offset, p.length) not in proven)):
-                    self.damaged.add(t.name)
+        self.damaged = {t.name for t in self.desc.tensors.values() for p in t.payloads
+                        if t.name in named or any(lo < p.offset + p.length and p.offset < hi
+                                                  for lo, hi in ranged.get(p.file, []))
+                        or (p.file in whole and (p.file, p.offset, p.length) not in proven)}
         self.tensors = {n: (t.dtype, t.shape) for n, t in self.desc.tensors.items()}
         self.saved = {}  # every fingerprint rebuilt
         self.values = dict(self.desc.values)
@@ -350,12 +347,8 @@ def _manifest_proven(root: str, desc: Description, files: set[str]) -> set[tuple
     from ckptverify.fingerprint import new_digest
     from ckptverify.safeparse.readers import ReadOnlyFile
 
-    manifests, _ = manifests_of(root)
-    items = {}
-    for _, manifest in manifests:
-        for item in manifest.items:
-            if item.file in files:
-                items[(item.file, item.offset, item.length)] = (manifest.digest_algorithm, item.digest)
+    items = {(item.file, item.offset, item.length): (manifest.digest_algorithm, item.digest)
+             for _, manifest in manifests_of(root)[0] for item in manifest.items if item.file in files}
     out: set[tuple[str, int, int]] = set()
     for t in desc.tensors.values():
         for p in t.payloads:
@@ -394,9 +387,7 @@ class _DcpSide(_Side):
         bad_side_files = {n for n, fmt in self.desc.files.items() if fmt != "dcp"} & \
             {f.location.file for f in self.errors}
         self.tensors = {n: (t.dtype, t.shape) for n, t in self.desc.tensors.items()}
-        for n, t in self.desc.tensors.items():
-            if any(p.file in bad_side_files for p in t.payloads):
-                self.damaged.add(n)
+        self.damaged |= {n for n, t in self.desc.tensors.items() if any(p.file in bad_side_files for p in t.payloads)}
         self.values = {n: v for n, v in self.desc.values.items() if n.partition(":")[0] not in bad_side_files}
 
     def scan(self, only: set[str]) -> dict[str, deep_check.TensorScan]:

@@ -96,27 +96,18 @@ class Segment:
 
 
 def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: bool,
-              templates: TemplateCache | None = None) -> tuple[list[ItemPlan], FileResult]:
-    """Parse the archive structure of every item of one file. Returns the structurally intact items and a result of
-    structural findings. Small items (:data:`SMALL_ITEM_BYTES`) are read whole and CRC-checked here
-    (``ItemPlan.crcs``); larger ones only have headers read, their payloads left to the caller."""
+              templates: TemplateCache) -> tuple[list[ItemPlan], FileResult]:
+    """Parse the archive structure of every item of one file (none stream-transformed: see
+    :mod:`~ckptverify.checks.transformed`). Returns the structurally intact items and a result of structural findings.
+    Small items (:data:`SMALL_ITEM_BYTES`) are read whole and CRC-checked here (``ItemPlan.crcs``); larger ones only
+    have headers read, their payloads left to the caller."""
     result = FileResult()
     outcomes: dict[int, ItemPlan | Finding] = {}  # by position in offset order, so findings keep that order
     small: list[tuple[int, Item]] = []
     uncheckable = 0
-    templates = templates if templates is not None else TemplateCache()
     for n, item in enumerate(sorted(items, key=lambda it: it.offset)):
         if item.end > f.size:
             continue  # reported by the structural check; reading it would only add noise
-        if item.transforms:
-            uncheckable += 1
-            result.findings.append(warning(
-                "content-uncheckable",
-                f"{item_label(item)} was written through stream transforms {list(item.transforms)}; "
-                "its content cannot be checked without a manifest",
-                location=item_location(item),
-            ))
-            continue
         if safetensors and item.kind == "tensor":
             uncheckable += 1
             continue
