@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 import logging
 import math
 import os
@@ -20,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from ckptverify.checks import deep as deep_check
 from ckptverify.checks.dcp_pipeline import ProgressSink, VerificationRun, cap_findings, default_jobs
-from ckptverify.errors import FileChangedError
+from ckptverify.errors import CheckpointNotFoundError, FileChangedError, FindingError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
+from ckptverify.formats.describe import describe, read_parts, read_tensor
 from ckptverify.safeparse import paths
 
 if TYPE_CHECKING:
@@ -40,7 +42,6 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jo
     B's names with ``B_PREFIX`` instead (longest prefix wins; one side may be empty). Raises
     :class:`~ckptverify.errors.UsageError` for a malformed mapping or one mapping two names of A onto one.
     """
-    from ckptverify.errors import CheckpointNotFoundError
     from ckptverify.formats.rundir import is_dcp
 
     mapping = parse_prefix_map(map_prefix)
@@ -78,8 +79,6 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jo
 def parse_prefix_map(specs: Sequence[str | tuple[str, str]]) -> list[tuple[str, str]]:
     """Validate ``--map-prefix`` values (one ``=`` each or a pair; not both empty; no repeated A prefix; no control
     characters). Raises :class:`~ckptverify.errors.UsageError`."""
-    from ckptverify.errors import UsageError
-
     if isinstance(specs, str | bytes):
         raise UsageError("map_prefix must be a list of 'A_PREFIX=B_PREFIX' strings, not one string")
     out: list[tuple[str, str]] = []
@@ -108,8 +107,6 @@ def _mapped_names(names: Sequence[str], mapping: list[tuple[str, str]],
                   used: dict[tuple[str, str], int]) -> dict[str, str]:
     """``{B's name: A's name}`` for ``names`` under ``mapping`` (longest prefix wins), counting renames in ``used``. Two
     names onto one is a usage error."""
-    from ckptverify.errors import UsageError
-
     by_length = sorted(mapping, key=lambda m: -len(m[0]))
     out: dict[str, str] = {}
     for name in names:
@@ -128,8 +125,6 @@ def _mapped_names(names: Sequence[str], mapping: list[tuple[str, str]],
 
 def _compare(sa: _Side, sb: _Side, ignore: tuple[str, ...], mapping: Sequence[tuple[str, str]] = (),
              ) -> tuple[list[Finding], tuple[CheckCoverage, ...], dict[str, Any]]:
-    from ckptverify.formats.describe import read_tensor
-
     findings: list[Finding] = []
     used = dict.fromkeys(mapping, 0)
     a_tensors = _mapped_names(list(sa.tensors), list(mapping), used)  # B's terms -> A's name
@@ -296,7 +291,6 @@ class _DescribedSide(_Side):
 
     def __init__(self, root: str, jobs: int) -> None:
         from ckptverify.audit.verify import verify_checkpoint
-        from ckptverify.formats.describe import describe
 
         checked = verify_checkpoint(root, jobs=jobs)
         self.errors = [f for f in checked.findings if f.severity.value == "error"]
@@ -409,8 +403,6 @@ _INT_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 def _subclass_finding(what: str, sa: _Side, a_name: str, sb: _Side, b_name: str, fa: str, fb: str) -> Finding:
     """The ``diff-tensor`` error for a tensor stored as a subclass on either side: differing parts, attributes, values.
     """
-    from ckptverify.errors import FindingError
-
     try:
         stats = subclass_difference(sa.desc, a_name, sb.desc, b_name)
     except FileChangedError:
@@ -450,11 +442,7 @@ def subclass_difference(desc_a: Description, name_a: str, desc_b: Description, n
     """How tensor ``name_a`` of ``desc_a`` and ``name_b`` of ``desc_b`` differ when either is stored as a subclass:
     ``stored_as`` (A, B), ``parts`` (per inner tensor), ``context`` (differing attributes), ``decoded`` (of the
     float32 values, or ``None`` with ``decoded_note``)."""
-    import json
-
     import torch
-
-    from ckptverify.formats.describe import read_parts, read_tensor
 
     sub_a, sub_b = desc_a.tensors[name_a].subclass, desc_b.tensors[name_b].subclass
 
@@ -503,7 +491,6 @@ def decoded_values(desc: SubclassDesc, parts: dict[str, torch.Tensor]) -> torch.
     rebuilt tensors and attributes the allowlist's canonical values, rechecked; only
     :data:`~ckptverify.safeparse.torchsave.SUBCLASSES` are decoded."""
     import importlib.util
-    import json
 
     decoder = _DECODERS.get(desc.cls)
     if decoder is None:

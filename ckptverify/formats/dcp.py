@@ -12,8 +12,9 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from ckptverify.dcp.layout import Item, Layout
+from ckptverify.errors import BadPickle
 from ckptverify.formats.describe import Description, Payload, StoredRange, SubclassDesc, SubclassPart, TensorDesc
-from ckptverify.safeparse.torchsave import SubclassHeader, TensorHeader
+from ckptverify.safeparse.torchsave import SubclassHeader, TensorHeader, leaf_values, scan_pickle
 from ckptverify.safeparse.zipwalk import Archive, Record
 
 __all__ = ["ReadItem", "describe_dcp"]
@@ -107,9 +108,7 @@ def _payload(r: ReadItem, rec: Record, view: TensorHeader, chunk_offsets: tuple[
 
 
 def _values(items: Iterable[ReadItem]) -> dict[str, str]:
-    from ckptverify.errors import BadPickle
     from ckptverify.fingerprint import digest_bytes
-    from ckptverify.safeparse.torchsave import leaf_values, scan_pickle
 
     got: dict[str, str] = {}
     done: set[str] = set()
