@@ -234,11 +234,9 @@ def _tiling(tinfo: TensorInfo, *, dedupe: bool) -> list[Finding]:
             continue
         if c.numel:
             boxes.append(c)
-    overlap = False
     if shape:
         pairs, complete = _overlaps(boxes)
         for a, c in pairs:
-            overlap = True
             out.append(error(
                 "chunk-tiling",
                 f"chunks {list(a.offsets)} and {list(c.offsets)} of {fqn!r} overlap",
@@ -253,11 +251,10 @@ def _tiling(tinfo: TensorInfo, *, dedupe: bool) -> list[Finding]:
             ))
             return out
     elif len(boxes) > 1:
-        overlap = True
         out.append(error("chunk-tiling", f"scalar {fqn!r} is stored more than once", location=Location(fqn=fqn)))
     covered = sum(c.numel for c in boxes)
     total = math.prod(shape)
-    if not overlap and covered != total and not out:
+    if covered != total and not out:  # an overlap is said above; a gap only when nothing else is
         out.append(error(
             "chunk-tiling",
             f"chunks of {fqn!r} cover {covered} of its {total} elements: {total - covered} are in no chunk",
