@@ -285,7 +285,6 @@ def find_checkpoints(run_dir: str | os.PathLike[str], *, notes: list[WalkNote] |
             if child is None:
                 continue
             fmt = child.fmt
-            rel = walker.rel(e.path)
             parts: tuple[str, ...] = ()
             if fmt is None:
                 parts = tuple(c.name for c in child.dirs if _is_dcp(walker, c.path))
@@ -296,7 +295,7 @@ def find_checkpoints(run_dir: str | os.PathLike[str], *, notes: list[WalkNote] |
                         queue.append((e.path, depth + 1))
                     continue
             size, mtime = walker.size(e.path)
-            found.append(Candidate(rel, "dir", fmt, step_of(e.name), size, mtime, parts))
+            found.append(Candidate(walker.rel(e.path), "dir", fmt, step_of(e.name), size, mtime, parts))
         if path == root and root_fmt is not None:
             continue  # files of a checkpoint given as the run directory are not checkpoints of their own
         for e in entries.files:
