@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 import logging
 import math
 import os
@@ -20,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from ckptverify.checks import deep as deep_check
 from ckptverify.checks.dcp_pipeline import ProgressSink, VerificationRun, cap_findings, default_jobs
-from ckptverify.errors import FileChangedError
+from ckptverify.errors import CheckpointNotFoundError, FileChangedError, FindingError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
+from ckptverify.formats.describe import describe, read_parts, read_tensor
 from ckptverify.safeparse import paths
 
 if TYPE_CHECKING:
@@ -40,7 +42,6 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jo
     B's names with ``B_PREFIX`` instead (longest prefix wins; one side may be empty). Raises
     :class:`~ckptverify.errors.UsageError` for a malformed mapping or one mapping two names of A onto one.
     """
-    from ckptverify.errors import CheckpointNotFoundError
     from ckptverify.formats.rundir import is_dcp
 
     mapping = parse_prefix_map(map_prefix)
@@ -78,8 +79,6 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jo
 def parse_prefix_map(specs: Sequence[str | tuple[str, str]]) -> list[tuple[str, str]]:
     """Validate ``--map-prefix`` values (one ``=`` each or a pair; not both empty; no repeated A prefix; no control
     characters). Raises :class:`~ckptverify.errors.UsageError`."""
-    from ckptverify.errors import UsageError
-
     if isinstance(specs, str | bytes):
         raise UsageError("map_prefix must be a list of 'A_PREFIX=B_PREFIX' strings, not one string")
     out: list[tuple[str, str]] = []
@@ -108,8 +107,6 @@ def _mapped_names(names: Sequence[str], mapping: list[tuple[str, str]],
                   used: dict[tuple[str, str], int]) -> dict[str, str]:
     """``{B's name: A's name}`` for ``names`` under ``mapping`` (longest prefix wins), counting renames in ``used``. Two
     names onto one is a usage error."""
-    from ckptverify.errors import UsageError
-
     by_length = sorted(mapping, key=lambda m: -len(m[0]))
     out: dict[str, str] = {}
     for name in names:
@@ -128,8 +125,6 @@ def _mapped_names(names: Sequence[str], mapping: list[tuple[str, str]],
 
 def _compare(sa: _Side, sb: _Side, ignore: tuple[str, ...], mapping: Sequence[tuple[str, str]] = (),
              ) -> tuple[list[Finding], tuple[CheckCoverage, ...], dict[str, Any]]:
-    from ckptverify.formats.describe import read_tensor
-
     findings: list[Finding] = []
     used = dict.fromkeys(mapping, 0)
     a_tensors = _mapped_names(list(sa.tensors), list(mapping), used)  # B's terms -> A's name
@@ -296,7 +291,6 @@ class _DescribedSide(_Side):
 
     def __init__(self, root: str, jobs: int) -> None:
         from ckptverify.audit.verify import verify_checkpoint
-        from ckptverify.formats.describe import describe
 
         checked = verify_checkpoint(root, jobs=jobs)
         self.errors = [f for f in checked.findings if f.severity.value == "error"]
@@ -320,13 +314,10 @@ class _DescribedSide(_Side):
             if where.fqn is not None:  # by its own name, and as a folder names a tensor of a non-weight file
                 named.update((where.fqn, f"{file}:{where.fqn}") if folder and file else (where.fqn,))
         proven = _manifest_proven(root, self.desc, {n for n, checks in whole.items() if checks == {"manifest-digest"}})
-        self.damaged = set()
-        for t in self.desc.tensors.values():
-            for p in t.payloads:
-                end = p.offset + p.length
-                if (t.name in named or any(lo < end and p.offset < hi for lo, hi in ranged.get(p.file, []))
-                        or (p.file in whole and (p.file, p.offset, p.length) not in proven)):
-                    self.damaged.add(t.name)
+        self.damaged = {t.name for t in self.desc.tensors.values() for p in t.payloads
+                        if t.name in named or any(lo < p.offset + p.length and p.offset < hi
+                                                  for lo, hi in ranged.get(p.file, []))
+                        or (p.file in whole and (p.file, p.offset, p.length) not in proven)}
         self.tensors = {n: (t.dtype, t.shape) for n, t in self.desc.tensors.items()}
         self.saved = {}  # every fingerprint rebuilt
         self.values = dict(self.desc.values)
@@ -350,12 +341,8 @@ def _manifest_proven(root: str, desc: Description, files: set[str]) -> set[tuple
     from ckptverify.fingerprint import new_digest
     from ckptverify.safeparse.readers import ReadOnlyFile
 
-    manifests, _ = manifests_of(root)
-    items = {}
-    for _, manifest in manifests:
-        for item in manifest.items:
-            if item.file in files:
-                items[(item.file, item.offset, item.length)] = (manifest.digest_algorithm, item.digest)
+    items = {(item.file, item.offset, item.length): (manifest.digest_algorithm, item.digest)
+             for _, manifest in manifests_of(root)[0] for item in manifest.items if item.file in files}
     out: set[tuple[str, int, int]] = set()
     for t in desc.tensors.values():
         for p in t.payloads:
@@ -394,9 +381,7 @@ class _DcpSide(_Side):
         bad_side_files = {n for n, fmt in self.desc.files.items() if fmt != "dcp"} & \
             {f.location.file for f in self.errors}
         self.tensors = {n: (t.dtype, t.shape) for n, t in self.desc.tensors.items()}
-        for n, t in self.desc.tensors.items():
-            if any(p.file in bad_side_files for p in t.payloads):
-                self.damaged.add(n)
+        self.damaged |= {n for n, t in self.desc.tensors.items() if any(p.file in bad_side_files for p in t.payloads)}
         self.values = {n: v for n, v in self.desc.values.items() if n.partition(":")[0] not in bad_side_files}
 
     def scan(self, only: set[str]) -> dict[str, deep_check.TensorScan]:
@@ -418,8 +403,6 @@ _INT_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 def _subclass_finding(what: str, sa: _Side, a_name: str, sb: _Side, b_name: str, fa: str, fb: str) -> Finding:
     """The ``diff-tensor`` error for a tensor stored as a subclass on either side: differing parts, attributes, values.
     """
-    from ckptverify.errors import FindingError
-
     try:
         stats = subclass_difference(sa.desc, a_name, sb.desc, b_name)
     except FileChangedError:
@@ -459,11 +442,7 @@ def subclass_difference(desc_a: Description, name_a: str, desc_b: Description, n
     """How tensor ``name_a`` of ``desc_a`` and ``name_b`` of ``desc_b`` differ when either is stored as a subclass:
     ``stored_as`` (A, B), ``parts`` (per inner tensor), ``context`` (differing attributes), ``decoded`` (of the
     float32 values, or ``None`` with ``decoded_note``)."""
-    import json
-
     import torch
-
-    from ckptverify.formats.describe import read_parts, read_tensor
 
     sub_a, sub_b = desc_a.tensors[name_a].subclass, desc_b.tensors[name_b].subclass
 
@@ -512,7 +491,6 @@ def decoded_values(desc: SubclassDesc, parts: dict[str, torch.Tensor]) -> torch.
     rebuilt tensors and attributes the allowlist's canonical values, rechecked; only
     :data:`~ckptverify.safeparse.torchsave.SUBCLASSES` are decoded."""
     import importlib.util
-    import json
 
     decoder = _DECODERS.get(desc.cls)
     if decoder is None:

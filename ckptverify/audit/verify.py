@@ -20,7 +20,7 @@ from ckptverify.checks.dcp_pipeline import (
     default_jobs,
 )
 from ckptverify.errors import CheckpointNotFoundError, UsageError
-from ckptverify.findings import Finding, Report, info, merge_coverage
+from ckptverify.findings import Finding, Report, Severity, info, merge_coverage, merge_reports
 from ckptverify.safeparse import paths
 
 __all__ = ["FINGERPRINT_ADVICE", "by_subfolder", "each_shard_folder", "fail_uncheckable", "needs_manifest",
@@ -128,7 +128,6 @@ def each_shard_folder(root: str, only: frozenset[str], command: str,
     """``run(SUB_PATH, FILES)`` on each DCP sub-folder ``only`` gives files in (other names ignored). Returns the merged
     report as the folder's (names ``SUB/FILE``, ``stats["format"]`` ``"folder"``, ``["seconds"]`` of the whole) and
     ``run``'s extras by sub-folder."""
-    from ckptverify.findings import merge_reports
     from ckptverify.ownfiles.partsplan import dcp_folders
 
     started = time.perf_counter()
@@ -286,8 +285,6 @@ def _fingerprint_advice(path: str, findings: list[Finding], with_manifest: bool)
 
 def fail_uncheckable(report: Report) -> Report:
     """``report`` with every ``content-uncheckable`` warning raised to an error (fail closed)."""
-    from ckptverify.findings import Severity
-
     findings = tuple(
         dataclasses.replace(f, severity=Severity.ERROR,
                             message=f"{f.message} (an error under --strict: unchecked content fails)")

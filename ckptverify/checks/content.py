@@ -41,7 +41,6 @@ class FileResult:
     items: int = 0
     records: int = 0
     bytes_hashed: int = 0
-    uncheckable: int = 0
 
 
 #: Bytes read at once for the first bytes of consecutive items.
@@ -97,28 +96,20 @@ class Segment:
 
 
 def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: bool,
-              templates: TemplateCache | None = None) -> tuple[list[ItemPlan], FileResult]:
-    """Parse the archive structure of every item of one file. Returns the structurally intact items and a result of
-    structural findings. Small items (:data:`SMALL_ITEM_BYTES`) are read whole and CRC-checked here
-    (``ItemPlan.crcs``); larger ones only have headers read, their payloads left to the caller."""
+              templates: TemplateCache) -> tuple[list[ItemPlan], FileResult]:
+    """Parse the archive structure of every item of one file (none stream-transformed: see
+    :mod:`~ckptverify.checks.transformed`). Returns the structurally intact items and a result of structural findings.
+    Small items (:data:`SMALL_ITEM_BYTES`) are read whole and CRC-checked here (``ItemPlan.crcs``); larger ones only
+    have headers read, their payloads left to the caller."""
     result = FileResult()
     outcomes: dict[int, ItemPlan | Finding] = {}  # by position in offset order, so findings keep that order
     small: list[tuple[int, Item]] = []
-    templates = templates if templates is not None else TemplateCache()
+    uncheckable = 0
     for n, item in enumerate(sorted(items, key=lambda it: it.offset)):
         if item.end > f.size:
             continue  # reported by the structural check; reading it would only add noise
-        if item.transforms:
-            result.uncheckable += 1
-            result.findings.append(warning(
-                "content-uncheckable",
-                f"{item_label(item)} was written through stream transforms {list(item.transforms)}; "
-                "its content cannot be checked without a manifest",
-                location=item_location(item),
-            ))
-            continue
         if safetensors and item.kind == "tensor":
-            result.uncheckable += 1
+            uncheckable += 1
             continue
         result.items += 1
         if item.length <= SMALL_ITEM_BYTES:
@@ -132,18 +123,14 @@ def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: boo
         buf = f.pread(start, end - start)
         for n, item in batch:
             outcomes[n] = _plan_in_memory(buf, item.offset - start, item, templates)
-    plans: list[ItemPlan] = []
-    for n in sorted(outcomes):
-        outcome = outcomes[n]
-        if isinstance(outcome, ItemPlan):
-            plans.append(outcome)
-        else:
-            result.findings.append(outcome)
+    in_order = [outcomes[n] for n in sorted(outcomes)]
+    plans = [o for o in in_order if isinstance(o, ItemPlan)]
+    result.findings.extend(o for o in in_order if not isinstance(o, ItemPlan))
     if safetensors:
         result.findings.append(warning(
             "content-uncheckable",
             f"{name} holds tensors in the safetensors serialization format, which carries no checksums: "
-            f"{result.uncheckable} tensor item(s) cannot be checked without a manifest",
+            f"{uncheckable} tensor item(s) cannot be checked without a manifest",
             location=Location(file=name),
         ))
     return plans, result
@@ -218,11 +205,9 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
     result.bytes_hashed += sum(r.size for r in records)
     bad = bad_records(records, crcs)
     if bad is None:
-        result.uncheckable += 1
         result.findings.append(crc_disabled(item_label(item), item_location(item, byte_range=(item.offset, item.end))))
         return
-    intact = not bad
-    computed = {} if intact else dict(zip((r.name for r in records), crcs, strict=True))
+    computed = dict(zip((r.name for r in records), crcs, strict=True)) if bad else {}
 
     header: TensorHeader | SubclassHeader | None = None
     pkl = archive.record("data.pkl")
@@ -231,7 +216,7 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
             "zip-structure", f"{item_label(item)} has no data.pkl record",
             location=item_location(item, byte_range=(item.offset, item.end)),
         ))
-    elif item.kind == "tensor" and (intact or computed[pkl.name] == pkl.crc):
+    elif item.kind == "tensor" and (not bad or computed[pkl.name] == pkl.crc):
         try:
             data_pkl = plan.pkl if plan.pkl is not None else \
                 range_reader(f, item.offset, item.length)(pkl.data_offset, pkl.size)
@@ -295,10 +280,8 @@ def _crc_findings(item: Item, archive: Archive, rec: Record, header: TensorHeade
     subclass, the inner tensor it holds."""
     base = item.offset
     byte_range = (base + rec.data_offset, base + rec.data_end)
-    subclass = isinstance(header, SubclassHeader)
     storage = header.storage_key if isinstance(header, TensorHeader) else "0"
-    is_payload = not subclass and item.kind == "tensor" and rec.name == f"{archive.prefix}/data/{storage}"
-    if not is_payload:
+    if isinstance(header, SubclassHeader) or item.kind != "tensor" or rec.name != f"{archive.prefix}/data/{storage}":
         part = next((name for name, h in header.parts if rec.name == f"{archive.prefix}/data/{h.storage_key}"),
                     None) if isinstance(header, SubclassHeader) else None
         if part is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 _POLY = 0xEDB88320
 _MASK = 0xFFFFFFFF
@@ -48,17 +49,9 @@ def _power_tables(m: int) -> list[list[int]]:
         for _ in range(m):
             v = _unstep(v)
         columns.append(v)
-    tables = []
-    for t in range(4):
-        table = [0] * 256
-        for byte in range(256):
-            acc = 0
-            for bit in range(8):
-                if byte >> bit & 1:
-                    acc ^= columns[8 * t + bit]
-            table[byte] = acc
-        tables.append(table)
-    return tables
+    # Entry ``byte`` of table ``t``: the XOR of the columns of the bits set in byte ``t`` of the input.
+    return [[functools.reduce(operator.xor, (columns[8 * t + bit] for bit in range(8) if byte >> bit & 1), 0)
+             for byte in range(256)] for t in range(4)]
 
 
 def false_match_probability(nbytes: int) -> float:

@@ -149,13 +149,6 @@ def _view_sizes(p: Payload) -> tuple[int, int] | None:
     return end - start, math.prod(p.shape) * DTYPE_ITEMSIZE[p.dtype]
 
 
-def _scan_piece(desc: Description, name: str, p: Payload, shape: tuple[int, ...],
-                progress: Callable[[int], None] | None, view_limit: int | None, budget: int) -> TensorScan:
-    """:func:`scan_payload` of ``p`` through the description's open reader, or a file opened for it."""
-    with desc.open(p) as f:
-        return scan_payload(f, name, p, shape, progress, view_limit, budget)
-
-
 def _view_budget(pieces: list[Payload]) -> dict[int, int]:
     """What is left of :data:`~ckptverify.formats.describe.MAX_VIEW_BYTES` for each expanding piece (by ``id``), in
     order: such views of one scan share the bound, so many small records cannot add up to unbounded work."""
@@ -187,19 +180,24 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
     subclassed = [t for t in desc.tensors.values() if t.subclass is not None and (only is None or t.name in only)]
     budgets = _view_budget([p for _, p in wanted] + [q for t in subclassed for q in stored_payloads(t)])
 
-    def scan(pair: tuple[TensorDesc, Payload]) -> TensorScan:
-        t, p = pair
+    def piece(name: str, p: Payload, shape: tuple[int, ...], where: str) -> TensorScan:
+        """:func:`scan_payload` of ``p`` through ``desc``'s reader; unreadable (``where``: what it names) if it
+        cannot be read, unless ``stop_on_change`` and its file changed."""
         try:
-            return _scan_piece(desc, t.name, p, t.shape, progress, view_limit, budgets.get(id(p), MAX_VIEW_BYTES))
+            with desc.open(p) as f:
+                return scan_payload(f, name, p, shape, progress, view_limit, budgets.get(id(p), MAX_VIEW_BYTES))
         except (OSError, ValueError, KeyError) as exc:  # FileChangedError is an OSError
             if stop_on_change and isinstance(exc, FileChangedError):
                 raise
-            return TensorScan(unreadable=[f"{t.name} chunk {list(p.chunk_offsets)}: {exc}"])
+            return TensorScan(unreadable=[f"{where}: {exc}"])
+
+    def scan(pair: tuple[TensorDesc, Payload]) -> TensorScan:
+        t, p = pair
+        return piece(t.name, p, t.shape, f"{t.name} chunk {list(p.chunk_offsets)}")
 
     with paused_gc():  # thousands of scans and blocks, no reference cycles (see gcpause)
         scans, findings = _merge(desc, wanted, run_map(scan, wanted), only)
-        parts = run_map(lambda t: scan_subclass_parts(desc, t, progress, view_limit, budgets, stop_on_change),
-                        subclassed)
+        parts = run_map(lambda t: scan_subclass_parts(t, piece), subclassed)
         for t, got in zip(subclassed, parts, strict=True):
             got.unreadable.extend(t.unread)
             scans[t.name] = got
@@ -263,11 +261,10 @@ def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, T
     return out, rebuilt
 
 
-def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[int], None] | None,
-                        view_limit: int | None, budgets: dict[int, int], stop_on_change: bool) -> TensorScan:
-    """Rebuild each inner tensor of ``t`` (a tensor subclass) and give each part's fingerprint and the subclass's (as
-    :mod:`ckptverify.fingerprint.subclass` gives it live). ``budgets``: each part's share of the view bound;
-    ``stop_on_change`` as :func:`scan_description`'s."""
+def scan_subclass_parts(t: TensorDesc, piece: Callable[[str, Payload, tuple[int, ...], str], TensorScan]
+                        ) -> TensorScan:
+    """Rebuild each inner tensor of ``t`` (a tensor subclass) through ``piece`` (:func:`scan_description`'s) and give
+    each part's fingerprint and the subclass's (as :mod:`ckptverify.fingerprint.subclass` gives it live)."""
     import json
 
     from ckptverify.fingerprint import TensorFingerprint, combine
@@ -277,15 +274,7 @@ def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[in
     out = TensorScan()
     parts: list[tuple[str, TensorFingerprint]] = []
     for part in t.subclass.parts:
-        p = part.payload
-        try:
-            got = _scan_piece(desc, f"{t.name}.{part.name}", p, part.shape, progress, view_limit,
-                              budgets.get(id(p), MAX_VIEW_BYTES))
-        except (OSError, ValueError, KeyError) as exc:
-            if stop_on_change and isinstance(exc, FileChangedError):
-                raise
-            out.unreadable.append(f"{t.name} part {part.name!r}: {exc}")
-            continue
+        got = piece(f"{t.name}.{part.name}", part.payload, part.shape, f"{t.name} part {part.name!r}")
         out.add(got)
         if got.unreadable or got.limited:
             continue

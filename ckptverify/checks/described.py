@@ -8,15 +8,18 @@ their own checksum are protected from the moment it is written.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 
+from ckptverify.errors import ManifestError
 from ckptverify.findings import CheckCoverage, Finding, Location, error, warning
+from ckptverify.fingerprint import BlockDigest, digest_reader
 from ckptverify.fingerprint.nonfinite import counts_kept
-from ckptverify.formats.describe import Description, folder_files, stored_part, stored_payloads
+from ckptverify.formats.describe import Description, describe, folder_files, stored_part, stored_payloads
 from ckptverify.ownfiles.manifest import FileEntry, ItemEntry, Manifest, TensorEntry
 from ckptverify.safeparse import paths
 from ckptverify.safeparse.readers import ReadOnlyFile
@@ -29,7 +32,6 @@ def manifest_entries(desc: Description, files: list[str], digest: str,
     """Digests of ``files`` and of every tensor payload (whole, per block), and each tensor's fingerprint and NaN/Inf
     counts. Returns files, items, tensors and the count not fingerprinted."""
     from ckptverify.checks.deep import scan_here
-    from ckptverify.fingerprint import BlockDigest, digest_reader
 
     entries: dict[str, FileEntry] = {}
     items: list[ItemEntry] = []
@@ -63,7 +65,6 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
     """Every pinned file against its digest; a changed file's payloads block by block. Returns findings and coverage.
     """
     from ckptverify.checks.manifest_check import compare_tensors, size_changed
-    from ckptverify.fingerprint import BlockDigest, digest_reader
 
     findings: list[Finding] = []
     by_file: dict[str, list[ItemEntry]] = defaultdict(list)
@@ -133,7 +134,6 @@ def manifests_of(path: str) -> tuple[list[tuple[str, Manifest]], list[Finding]]:
     ``ckptverify.manifest.json``, and each file's own ``NAME.ckptverify.manifest.json``. Returns ``(target,
     manifest)`` pairs (orphan file manifests included: comparing reports the missing file) and a
     ``manifest-invalid`` error per untrustworthy manifest (refused whole)."""
-    from ckptverify.errors import ManifestError
     from ckptverify.formats.rundir import is_dcp
     from ckptverify.ownfiles.manifest import MANIFEST_FILE, file_manifest_name, read_manifest
 
@@ -173,8 +173,6 @@ def manifests_of(path: str) -> tuple[list[tuple[str, Manifest]], list[Finding]]:
 def _for_one_file(manifest: Manifest, name: str) -> Manifest | None:
     """A folder manifest's entry for ``name`` in the file's own terms (``FILE:PATH`` -> ``PATH``); ``None`` if unlisted.
     """
-    import dataclasses
-
     if name not in manifest.files:
         return None
     items = [i for i in manifest.items if i.file == name]
@@ -193,7 +191,6 @@ def judge_described(path: str, found: list[Finding], *, deep: bool, use_manifest
     or a folder's files' by name (else each file is described here); each file is described once. Returns findings,
     added coverage, and whether manifests cover every file."""
     from ckptverify.checks.deep import judge_scans, scan_here
-    from ckptverify.formats.describe import describe
 
     findings = list(found)
     coverage: list[CheckCoverage] = []

@@ -104,7 +104,7 @@ def _check_index(root: str, name: str, index: Any, facts: dict[str, Any]) -> lis
         for tensor in sorted(held - mapped)[:50]:
             out.append(error("index-mismatch", f"{shard} holds {tensor!r}, which {name} does not map to it",
                              location=Location(file=shard, fqn=tensor)))
-    suffix = name[: -len(".index.json")].rsplit(".", 1)[-1] if name.endswith(".index.json") else ""
+    suffix = name.removesuffix(".index.json").rsplit(".", 1)[-1]  # only *.index.json are read as indexes
     for shard in sorted(facts["tensors"]):
         if shard.endswith("." + suffix) and shard not in by_shard and suffix:
             out.append(warning("index-mismatch", f"{shard} is not named by {name}: a leftover shard, or the index is "

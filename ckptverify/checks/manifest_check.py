@@ -34,14 +34,10 @@ def compare_layout(manifest: Manifest, layout: Layout) -> tuple[list[Finding], d
     """Manifest items vs metadata items (same set, places, dtypes, shapes). Returns findings and, per matching entry,
     its item."""
     findings: list[Finding] = []
-    by_key: dict[tuple[str, tuple[int, ...] | None, str], Item] = {}
-    for item in layout.items:
-        by_key[(item.fqn, item.chunk.offsets if item.chunk else None, item.file)] = item
+    by_key = {(item.fqn, item.chunk.offsets if item.chunk else None, item.file): item for item in layout.items}
     matched: dict[int, Item] = {}
-    seen: set[tuple[str, tuple[int, ...] | None, str]] = set()
     for n, entry in enumerate(manifest.items):
         item = by_key.get(entry.key)
-        seen.add(entry.key)
         if item is None:
             findings.append(error(
                 "manifest-mismatch",
@@ -61,6 +57,7 @@ def compare_layout(manifest: Manifest, layout: Layout) -> tuple[list[Finding], d
             ))
             continue
         matched[n] = item
+    seen = {entry.key for entry in manifest.items}
     for key, item in by_key.items():
         if key not in seen:
             findings.append(error(
@@ -166,34 +163,35 @@ def hash_task(f: ReadOnlyFile, task: BlockTask, manifest: Manifest,
     whole = task.last == task.first
     out: list[str] = []
     crcs = [0] * len(crc_ranges)
-    state = {"digest": new_digest(algorithm), "filled": 0}
+    digest, filled = new_digest(algorithm), 0
 
     def feed(view: memoryview, at: int) -> None:
+        nonlocal digest, filled
         end = at + len(view)
         for k, (lo, hi) in enumerate(crc_ranges):
             a, b = max(lo, at), min(hi, end)
             if a < b:
                 crcs[k] = crc32(view[a - at : b - at], crcs[k])
         if whole:
-            state["digest"].update(view)
+            digest.update(view)
             return
-        if len(view) == bb and not state["filled"]:
+        if len(view) == bb and not filled:
             # Pieces are block-aligned: one digest per block, fed at construction (hashes without the GIL).
             out.append(digest_bytes(view, algorithm))
             return
         pos = 0
         while pos < len(view):
-            take = min(bb - state["filled"], len(view) - pos)
-            state["digest"].update(view[pos : pos + take])
-            state["filled"] += take
+            take = min(bb - filled, len(view) - pos)
+            digest.update(view[pos : pos + take])
+            filled += take
             pos += take
-            if state["filled"] == bb:
-                out.append(state["digest"].hexdigest())
-                state["digest"], state["filled"] = new_digest(algorithm), 0
+            if filled == bb:
+                out.append(digest.hexdigest())
+                digest, filled = new_digest(algorithm), 0
 
     f.fold_at(task.start, task.end, feed)
-    if whole or state["filled"]:
-        out.append(state["digest"].hexdigest())
+    if whole or filled:
+        out.append(digest.hexdigest())
     return out, crcs
 
 

@@ -49,12 +49,14 @@ def side_files(root: str) -> list[str]:
 def check_side_files(root: str, names: list[str]) -> tuple[list[Finding], list[CheckCoverage], list[str]]:
     """Check each side file by content. Returns findings, coverage, and the names that are regular files inside
     ``root``."""
+    if not names:
+        return [], [], []
+    # Imported here: most checkpoints have no side file, and a plain verify should not pay for these readers.
+    from ckptverify.checks.single import check_file, check_json
+
     findings: list[Finding] = []
     coverage: list[CheckCoverage] = []
     usable: list[str] = []
-    if names:
-        # Imported here: most checkpoints have no side file, and a plain verify should not pay for these readers.
-        from ckptverify.checks.single import check_file, check_json
     for name in names:
         path = os.path.join(root, name)
         try:
@@ -84,12 +86,10 @@ def check_side_files(root: str, names: list[str]) -> tuple[list[Finding], list[C
                                    f"{facts.get('format') or 'unknown'}", location=Location(file=name)))
             findings.extend(found)
         usable.append(name)
-    if names:
-        coverage.insert(0, CheckCoverage(check="side-file", count=len(usable), unit="files"))
-    return findings, coverage, usable
+    return findings, [CheckCoverage(check="side-file", count=len(usable), unit="files"), *coverage], usable
 
 
-def check_integrity_record(root: str, name: str = "integrity.json") -> tuple[list[Finding], list[CheckCoverage]]:
+def check_integrity_record(root: str, name: str) -> tuple[list[Finding], list[CheckCoverage]]:
     """Check Megatron's integrity record ``name`` in ``root`` against each listed file. A malformed record is one
     ``integrity-invalid`` error, never an exception."""
     from ckptverify.checks.single import check_json

@@ -9,7 +9,7 @@ import itertools
 import math
 import os
 import stat
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 
 from ckptverify.checks import item_label, item_location
@@ -44,21 +44,19 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
     """Referenced files that are missing or must not be opened, and (with ``unreferenced``) files nobody
     references. ``others``: referenced files another part of a shared verification checks (not looked at)."""
     findings: list[Finding] = []
-    per_file: dict[str, int] = defaultdict(int)
-    for it in layout.items:
-        per_file[it.file] += 1
+    per_file = Counter(it.file for it in layout.items)
     for name, st in sorted(stats.items()):
-        if st is None:
-            n = per_file[name]
-            path = os.path.join(root, name)
-            unsafe = _unsafe_reason(root, path)
-            if unsafe is not None:
-                findings.append(error(
-                    "file-unsafe",
-                    f"{name} {unsafe}; it is not opened, and the {n} item(s) the metadata places in it are unchecked",
-                    location=Location(file=name),
-                ))
-                continue
+        if st is not None:
+            continue
+        n = per_file[name]
+        unsafe = _unsafe_reason(root, os.path.join(root, name))
+        if unsafe is not None:
+            findings.append(error(
+                "file-unsafe",
+                f"{name} {unsafe}; it is not opened, and the {n} item(s) the metadata places in it are unchecked",
+                location=Location(file=name),
+            ))
+        else:
             findings.append(error(
                 "file-missing",
                 f"{name} is missing; the metadata places {n} item(s) in it",
@@ -70,11 +68,10 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
     walk = paths.FolderWalk(root)
     for folder, _, entries in walk:
         for entry in entries:
-            fname = entry.name
-            rel = f"{folder}/{fname}" if folder else fname
-            if rel in referenced or (not folder and fname.startswith(PARTS_PREFIX)):
+            rel = f"{folder}/{entry.name}" if folder else entry.name
+            if rel in referenced or (not folder and entry.name.startswith(PARTS_PREFIX)):
                 continue  # a part verdict of a verification shared out among nodes: ckptverify's own
-            if not folder and fname.startswith(STAMP_TEMP_PREFIX):
+            if not folder and entry.name.startswith(STAMP_TEMP_PREFIX):
                 findings.append(info(
                     "file-unreferenced",
                     f"{rel} is the temporary file of a verification stamp whose writing did not finish (the "
@@ -210,9 +207,7 @@ def check_coverage(layout: Layout) -> list[Finding]:
 
 def check_tiling(layout: Layout) -> tuple[list[Finding], CheckCoverage]:
     """The chunks of each tensor tile its global shape exactly: inside bounds, no overlap, no gap."""
-    findings: list[Finding] = []
-    for tinfo in layout.tensors.values():
-        findings.extend(_tiling(tinfo, dedupe=layout.per_rank))
+    findings = [f for tinfo in layout.tensors.values() for f in _tiling(tinfo, dedupe=layout.per_rank)]
     return findings, CheckCoverage(check="chunk-tiling", count=len(layout.tensors), unit="tensors")
 
 
@@ -222,10 +217,8 @@ def _tiling(tinfo: TensorInfo, *, dedupe: bool) -> list[Finding]:
         only = tinfo.chunks[0]
         if only.sizes == shape and not any(only.offsets) and len(only.offsets) == len(shape):
             return []  # one chunk that is the whole tensor (most tensors of an unsharded save)
-    chunks = list(tinfo.chunks)
-    if dedupe:
-        # Per-rank metadata lists a replicated tensor once per rank: identical boxes are replicas.
-        chunks = list(dict.fromkeys(chunks))
+    # Per-rank metadata lists a replicated tensor once per rank: identical boxes are replicas.
+    chunks = list(dict.fromkeys(tinfo.chunks)) if dedupe else list(tinfo.chunks)
     out: list[Finding] = []
     boxes: list[Chunk] = []
     for c in chunks:
@@ -241,11 +234,9 @@ def _tiling(tinfo: TensorInfo, *, dedupe: bool) -> list[Finding]:
             continue
         if c.numel:
             boxes.append(c)
-    overlap = False
     if shape:
         pairs, complete = _overlaps(boxes)
         for a, c in pairs:
-            overlap = True
             out.append(error(
                 "chunk-tiling",
                 f"chunks {list(a.offsets)} and {list(c.offsets)} of {fqn!r} overlap",
@@ -260,11 +251,10 @@ def _tiling(tinfo: TensorInfo, *, dedupe: bool) -> list[Finding]:
             ))
             return out
     elif len(boxes) > 1:
-        overlap = True
         out.append(error("chunk-tiling", f"scalar {fqn!r} is stored more than once", location=Location(fqn=fqn)))
     covered = sum(c.numel for c in boxes)
     total = math.prod(shape)
-    if not overlap and covered != total and not out:
+    if covered != total and not out:  # an overlap is said above; a gap only when nothing else is
         out.append(error(
             "chunk-tiling",
             f"chunks of {fqn!r} cover {covered} of its {total} elements: {total - covered} are in no chunk",

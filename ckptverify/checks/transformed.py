@@ -31,7 +31,6 @@ def plan_transformed(f: ReadOnlyFile, item: Item, result: FileResult, *,
         decoded = decoded_item(f, item, registry=registry)
     except TransformError as exc:
         if exc.unavailable:
-            result.uncheckable += 1
             result.findings.append(warning(
                 "content-uncheckable",
                 f"{item_label(item)} was written through stream transforms {list(item.transforms)} and cannot be "
@@ -58,7 +57,6 @@ def plan_transformed(f: ReadOnlyFile, item: Item, result: FileResult, *,
     judge_item(decoded, plan, crcs, inner_result)  # type: ignore[arg-type]
     result.records += inner_result.records
     result.bytes_hashed += item.length
-    result.uncheckable += inner_result.uncheckable
     result.findings.extend(_stored(f_, item) for f_ in inner_result.findings)
     decoded.drop()
     return plan

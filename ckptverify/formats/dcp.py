@@ -12,8 +12,9 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from ckptverify.dcp.layout import Item, Layout
+from ckptverify.errors import BadPickle
 from ckptverify.formats.describe import Description, Payload, StoredRange, SubclassDesc, SubclassPart, TensorDesc
-from ckptverify.safeparse.torchsave import SubclassHeader, TensorHeader
+from ckptverify.safeparse.torchsave import SubclassHeader, TensorHeader, leaf_values, scan_pickle
 from ckptverify.safeparse.zipwalk import Archive, Record
 
 __all__ = ["ReadItem", "describe_dcp"]
@@ -38,14 +39,11 @@ def describe_dcp(root: str, layout: Layout, read: Iterable[ReadItem], *, files: 
     """The description of the DCP checkpoint at ``root`` from ``layout``, the parsed items ``read`` and the opened
     ``files`` (``None``: could not be opened). ``values``: also plain values (not those in ``values_skip``)."""
     read = list(read)
-    desc = Description(root=root, format="dcp", metadata_files=list(layout.metadata_files))
-    for name, f in sorted(files.items()):
-        if f is not None:
-            desc.files[name] = "dcp"
-    for fqn, t in layout.tensors.items():
-        desc.tensors[fqn] = TensorDesc(fqn, t.dtype, t.shape)
+    shared = {n: f for n, f in sorted(files.items()) if f is not None}
+    desc = Description(root=root, format="dcp", files=dict.fromkeys(shared, "dcp"),
+                       tensors={fqn: TensorDesc(fqn, t.dtype, t.shape) for fqn, t in layout.tensors.items()},
+                       metadata_files=list(layout.metadata_files))
     readers: dict[tuple[str, int, int], Any] = {}
-    tensors = desc.tensors
     for r in read:
         item = r.item
         if item.transforms:
@@ -53,7 +51,7 @@ def describe_dcp(root: str, layout: Layout, read: Iterable[ReadItem], *, files: 
         chunk = item.chunk
         if item.kind != "tensor" or chunk is None:
             continue
-        t = tensors.get(item.fqn)
+        t = desc.tensors.get(item.fqn)
         if t is None:
             continue
         h, rec = r.header, r.storage
@@ -65,10 +63,9 @@ def describe_dcp(root: str, layout: Layout, read: Iterable[ReadItem], *, files: 
             continue
         t.payloads.append(_payload(r, rec, h, chunk.offsets))
     desc.stored.extend(StoredRange(i.fqn, i.chunk.offsets if i.chunk else None, i.file, i.offset, i.length)
-                       for i in layout.items if files.get(i.file) is not None)
+                       for i in layout.items if i.file in shared)
     if values:
         desc.values.update(_values(r for r in read if r.item.kind == "bytes" and r.item.fqn not in values_skip))
-    shared = {n: f for n, f in files.items() if f is not None}
 
     def open_(what: Payload | str) -> Any:
         if isinstance(what, str):
@@ -111,9 +108,7 @@ def _payload(r: ReadItem, rec: Record, view: TensorHeader, chunk_offsets: tuple[
 
 
 def _values(items: Iterable[ReadItem]) -> dict[str, str]:
-    from ckptverify.errors import BadPickle
     from ckptverify.fingerprint import digest_bytes
-    from ckptverify.safeparse.torchsave import leaf_values, scan_pickle
 
     got: dict[str, str] = {}
     done: set[str] = set()

@@ -136,7 +136,6 @@ class _Listing:
     fmt: str | None
     dirs: list[os.DirEntry[str]]
     files: list[os.DirEntry[str]]
-    read: int
 
 
 class _Walker:
@@ -164,12 +163,11 @@ class _Walker:
         if self.spent():
             self.unvisited[self.rel(path)] = None
             return None  # not cached: the note counts each folder once, at the end
-        rank: int | None = None
+        ranks: list[int] = []
         dirs: list[os.DirEntry[str]] = []
         files: list[os.DirEntry[str]] = []
         cap = min(MAX_FOLDER_ENTRIES, self.names)
         read = 0
-        result: _Listing | None
         try:
             with paths.scandir(path) as it:
                 for entry in it:
@@ -177,9 +175,8 @@ class _Walker:
                         self._cut(path, read)
                         break
                     read += 1
-                    r = _marker(entry.name)
-                    if r is not None and (rank is None or r < rank):
-                        rank = r
+                    if (r := _marker(entry.name)) is not None:
+                        ranks.append(r)
                     if _is_dir(entry):
                         dirs.append(entry)
                     elif file_format(entry.name) is not None:
@@ -195,8 +192,7 @@ class _Walker:
         self.names -= read
         dirs.sort(key=lambda e: e.name)
         files.sort(key=lambda e: e.name)
-        result = _Listing(None if rank is None else _MARKER_FORMATS[rank], dirs, files, read)
-        self._cache[path] = result
+        result = self._cache[path] = _Listing(_MARKER_FORMATS[min(ranks)] if ranks else None, dirs, files)
         return result
 
     def _cut(self, path: str, read: int) -> None:
@@ -249,8 +245,7 @@ def find_checkpoints(run_dir: str | os.PathLike[str], *, notes: list[WalkNote] |
     must pass it.
     """
     root = os.fspath(run_dir)
-    out: list[WalkNote] = [] if notes is None else notes
-    walker = _Walker(root, out)
+    walker = _Walker(root, [] if notes is None else notes)
     found: list[Candidate] = []
     own = walker.listing(root)
     if own is None:
@@ -290,7 +285,6 @@ def find_checkpoints(run_dir: str | os.PathLike[str], *, notes: list[WalkNote] |
             if child is None:
                 continue
             fmt = child.fmt
-            rel = walker.rel(e.path)
             parts: tuple[str, ...] = ()
             if fmt is None:
                 parts = tuple(c.name for c in child.dirs if _is_dcp(walker, c.path))
@@ -301,7 +295,7 @@ def find_checkpoints(run_dir: str | os.PathLike[str], *, notes: list[WalkNote] |
                         queue.append((e.path, depth + 1))
                     continue
             size, mtime = walker.size(e.path)
-            found.append(Candidate(rel, "dir", fmt, step_of(e.name), size, mtime, parts))
+            found.append(Candidate(walker.rel(e.path), "dir", fmt, step_of(e.name), size, mtime, parts))
         if path == root and root_fmt is not None:
             continue  # files of a checkpoint given as the run directory are not checkpoints of their own
         for e in entries.files:

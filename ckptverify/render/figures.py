@@ -27,14 +27,6 @@ def _pyplot() -> Any:
     return plt
 
 
-def _traces(trace_dirs: Mapping[str, str]) -> dict[str, dict[int, Any]]:
-    from ckptverify.trace.compare import run_stores
-    from ckptverify.trace.store import open_trace
-
-    return {name: {rank: open_trace(path) for rank, path in run_stores(d).items()}
-            for name, d in trace_dirs.items() if d and os.path.isdir(d)}
-
-
 def _metric_figure(plt: Any, traces: dict[str, dict[int, Any]], path: str) -> bool:
     runs = {name: ranks[0] for name, ranks in traces.items() if 0 in ranks}
     if "A" not in runs:
@@ -102,10 +94,12 @@ def write_report(report_dir: str, *, report: Any, verdict: Any, trace_dirs: Mapp
     """Write ``index.html`` and its figures into ``report_dir``; return the page's path. ``trace_dirs``: run name ->
     trace directory; A and B are compared over ``steps``."""
     plt = _pyplot()
-    from ckptverify.trace.compare import module_of
+    from ckptverify.trace.compare import module_of, run_stores
+    from ckptverify.trace.store import open_trace
 
     os.makedirs(report_dir, exist_ok=True)
-    traces = _traces(trace_dirs)
+    traces = {name: {rank: open_trace(path) for rank, path in run_stores(d).items()}
+              for name, d in trace_dirs.items() if d and os.path.isdir(d)}
     figures: list[tuple[str, str]] = []
     if _metric_figure(plt, traces, os.path.join(report_dir, "metrics.png")):
         figures.append(("metrics.png", "Metrics per step: A, A2, B, and |A - B|"))

@@ -29,7 +29,6 @@ _HELP = {
 }
 
 
-
 def render_metrics(report: Report, *, now: float | None = None) -> str:
     """The gauges for ``report`` in the Prometheus text exposition format."""
     stats = report.stats

@@ -39,9 +39,8 @@ def fail(command: str, target: str, error: object, json_out: bool, *, lines: boo
 
 def printable(value: object) -> str:
     """``str(value)`` with every control character shown as an escape (``\\x1b``, ``\\u202e``)."""
-    text = str(value)
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1] if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
-                        text)
+                        str(value))
 
 
 # A whitespace-delimited word that is a number, bare or in punctuation: "0.00123,", "[8672,", "1.5e-07)".
@@ -63,13 +62,8 @@ def number_width(texts: object) -> int:
 
 def to_json(report: Report, indent: int | None = 2) -> str:
     """The documented JSON form (``docs/json-schema.md``). JSON escapes control characters itself."""
-    return json.dumps(report.to_dict(), indent=indent, sort_keys=False, default=_jsonable)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, tuple | set | frozenset):
-        return list(value)
-    return str(value)
+    return json.dumps(report.to_dict(), indent=indent, sort_keys=False,
+                      default=lambda v: list(v) if isinstance(v, tuple | set | frozenset) else str(v))
 
 
 def safe_text(value: object, style: str = "") -> Any:

@@ -590,7 +590,7 @@ def test_a_file_changing_under_a_subclass_part_stops_the_scan_as_under_any_piece
     def changed(*args: object, **kwargs: object) -> None:
         raise FileChangedError("q.pt changed while it was read")
 
-    monkeypatch.setattr(deep, "_scan_piece", changed)
+    monkeypatch.setattr(deep, "scan_payload", changed)
     with pytest.raises(FileChangedError):
         deep.scan_description(desc, lambda fn, items: [fn(x) for x in items])
     scans, _ = deep.scan_here(desc)
