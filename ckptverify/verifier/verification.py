@@ -92,14 +92,13 @@ class Verification:
             raise TypeError(f"not a verification: {type(data).__name__}")
         known = {f.name for f in fields(cls)} - {"report"}
         values = {k: v for k, v in data.items() if k in known}
-        if "verdict" not in values:
-            raise TypeError("not a verification: no verdict")
+        for name in ("verdict", "path"):
+            if name not in values:
+                raise TypeError(f"not a verification: no {name}")
         for name in ("errors", "coverage", "unchecked", "warnings"):
             if name in values:
                 values[name] = tuple(values[name] or ())
         values.setdefault("step", None)
-        if "path" not in values:
-            raise TypeError("not a verification: no path")
         try:
             return cls(**values, report=report)
         except ValueError as exc:
