@@ -121,10 +121,7 @@ class TensorEntry:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "fingerprint": self.fingerprint}
-        if self.nan_count is not None:
-            out["nan_count"] = self.nan_count
-        if self.inf_count is not None:
-            out["inf_count"] = self.inf_count
+        out.update((k, v) for k, v in (("nan_count", self.nan_count), ("inf_count", self.inf_count)) if v is not None)
         if self.parts is not None:
             out["parts"] = dict(self.parts)
         return out
@@ -186,9 +183,7 @@ class Manifest:
         if d.get("schema_version") != MANIFEST_SCHEMA_VERSION:
             raise ManifestError(f"manifest schema version {d.get('schema_version')!r} is not supported "
                                 f"(this ckptverify reads version {MANIFEST_SCHEMA_VERSION})")
-        recorded = d.get("self_digest")
-        body = {k: v for k, v in d.items() if k != "self_digest"}
-        if recorded != _self_digest(body):
+        if d.get("self_digest") != _self_digest({k: v for k, v in d.items() if k != "self_digest"}):
             raise ManifestError("manifest self-digest does not match its content: it was edited or damaged")
         try:
             manifest = cls(

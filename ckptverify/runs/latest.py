@@ -182,9 +182,7 @@ def missing_train_state_keys(path: str) -> list[str]:
         return []
     if not parsed:
         return []
-    keys: set[str] = set()
-    for meta in parsed.values():
-        keys.update(meta.entries)
+    keys = {key for meta in parsed.values() for key in meta.entries}
     return [k for k in TRAIN_STATE_KEYS if k not in keys]
 
 

@@ -149,12 +149,9 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
     findings: list[Finding] = []
     judged = _judged_by_ranks(root, candidates, executor, jobs, deep, progress) if executor is not None else None
     for n, cand in enumerate(candidates):
-        if judged is not None:
-            state, reason, counts = judged[n]
-        else:
-            if progress is not None:
-                progress(f"{n + 1}/{len(candidates)} {cand.path}")
-            state, reason, counts = judge(root, cand, jobs, deep=deep)
+        if judged is None and progress is not None:
+            progress(f"{n + 1}/{len(candidates)} {cand.path}")
+        state, reason, counts = judged[n] if judged is not None else judge(root, cand, jobs, deep=deep)
         rows.append({**cand.to_dict(), "state": state, "reason": reason, **counts,
                      "quarantined": is_quarantined(cand.path), "handled_by": None})
     good = [r for r in rows if r["state"] in GOOD_STATES and not r["quarantined"]]

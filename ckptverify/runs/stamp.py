@@ -16,6 +16,9 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
+
+from ckptverify._version import __version__
 from ckptverify.findings import Report
 from ckptverify.formats.rundir import dir_format
 from ckptverify.ownfiles.names import (
@@ -85,8 +88,6 @@ def stamp_path(checkpoint: str | os.PathLike[str], name: str = STAMP_FILE) -> st
 def files_fingerprint(root: str) -> str:
     """xxh3-128 over (relative path, type, size, mtime_ns, inode) of every file under ``root``, links not followed,
     the stamp, lock and part verdicts excluded; of ``root`` itself when not a directory."""
-    import xxhash
-
     h = xxhash.xxh3_128()
     entries: list[str] = []
     if not paths.isdir(root) or paths.islink(root):
@@ -157,10 +158,7 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
     """Write the stamp for ``report`` (a ``verify`` report of ``root``); return what was written. ``fingerprint``
     should be taken *before* verifying, so a file changed meanwhile leaves the stamp already stale. ``throttled_s``
     and ``parts`` (a verification shared among nodes) are recorded when given."""
-    from ckptverify._version import __version__
-
     folder = os.fspath(root)
-    counts = report.summary()
     suspect = _read_note(folder)
     data = {
         "schema": STAMP_SCHEMA,
@@ -171,7 +169,7 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
         "passed": report.passed,
         # A stamp ranks a checkpoint no higher than this.
         "state": judge_report(report),
-        "summary": counts,
+        "summary": report.summary(),
         "errors": [f.to_dict() for f in report.errors[:20]],
         "coverage": [c.to_dict() for c in report.coverage],
         "bytes_checked": report.stats.get("bytes"),

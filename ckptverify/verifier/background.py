@@ -411,14 +411,6 @@ class BackgroundVerifier:
             cut = _unverified(job, "cut-short", why)
             _emit(job.events, event_of(cut), cut)
 
-    def _forget_in_child(self) -> None:
-        """In a forked child: let go of the inherited lock descriptors (the parent still holds the locks)."""
-        for job in self._pending:
-            fd, job.lock._fd = job.lock._fd, None
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-
 
 def _guarded(what: str, call: Callable[..., Any], *args: Any) -> None:
     """``call(*args)``: reporting code (a task's, a user's callback) that must not stop the verifier; a failure is a
@@ -522,8 +514,12 @@ def _at_exit() -> None:
 def _forget_after_fork() -> None:
     global _default, _default_lock
     _default_lock = threading.Lock()
-    if _default is not None:
-        _default._forget_in_child()
+    if _default is not None:  # let go of the inherited lock descriptors (the parent still holds the locks)
+        for job in _default._pending:
+            fd, job.lock._fd = job.lock._fd, None
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
     _default = None
 
 

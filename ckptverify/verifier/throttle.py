@@ -149,10 +149,9 @@ class IdleProbe:
     def open(cls) -> IdleProbe | None:
         """A probe of this machine, or ``None`` where ``/proc/stat`` cannot be read (no throttle there)."""
         try:
-            readable = parse_proc_stat(_read_proc_stat()) is not None
+            return cls() if parse_proc_stat(_read_proc_stat()) is not None else None
         except OSError:
-            readable = False
-        return cls() if readable else None
+            return None
 
     def look(self) -> float | None:
         """Average idle cores since the previous look (``None`` at the first, when no tick passed, or unreadable)."""

@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from ckptverify.ownfiles import events
+from ckptverify.runs.stamp import stamp_path
+
 if TYPE_CHECKING:
     from ckptverify.findings import Report
 
@@ -121,8 +124,6 @@ class Verification:
 def event_of(result: Verification) -> str:
     """The ``events.jsonl`` event name recording ``result`` (:data:`~ckptverify.ownfiles.events.VERIFICATION_EVENTS`).
     """
-    from ckptverify.ownfiles import events
-
     if result.verdict == "passed":
         return events.CHECKPOINT_VERIFIED
     if result.verdict == "failed":
@@ -160,8 +161,6 @@ def unverified(path: str, step: int | None, no_verdict: str, reason: str, *, dee
 
 def from_stamp(path: str, step: int | None, data: dict[str, Any]) -> Verification:
     """The :class:`Verification` a current stamp records (someone else verified the checkpoint)."""
-    from ckptverify.runs.stamp import stamp_path
-
     errors = [e for e in (data.get("errors") or []) if isinstance(e, dict)]
     first = errors[0] if errors else None
     return Verification(

@@ -135,9 +135,7 @@ class WatchResult:
             return 1
         if self.state.unverifiable or self.problems or self.state.checkpoints == self.state.deleted:
             return 2
-        if self.nothing is not None:
-            return 1
-        return 0
+        return 1 if self.nothing is not None else 0
 
 
 @dataclass
@@ -206,9 +204,8 @@ def _ready(path: str, cand: Candidate, quiet: float) -> bool:
         return committed(path)
     if cand.format == "dcp-uncommitted":
         return False
-    if any(not committed(os.path.join(path, part)) for part in cand.parts):
-        return False
-    return time.time_ns() - cand.mtime_ns >= quiet * 1e9
+    return all(committed(os.path.join(path, part)) for part in cand.parts) \
+        and time.time_ns() - cand.mtime_ns >= quiet * 1e9
 
 
 #: The :class:`RunState` count of each result event (any other: ``pending``).

@@ -11,6 +11,7 @@ priority again. Ends when stdin closes.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import json
@@ -59,8 +60,6 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
 def _arguments(argv: list[str]) -> tuple[str, int, str | None]:
     """``--priority``, ``--waiter-nice`` and ``--hurry-fd`` as set by the parent; anything unreadable: lowest priority.
     """
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m ckptverify.verifier.worker", add_help=False)
     parser.add_argument("--priority", default="idle")
     parser.add_argument("--waiter-nice", default="0")
