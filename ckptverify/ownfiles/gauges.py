@@ -15,10 +15,8 @@ __all__ = ["format_value", "render_gauges", "write_gauges"]
 def format_value(value: float | int | bool) -> str:
     """A sample value for the text format: integers exactly, floats by ``repr`` (round-trip), ``NaN``, ``+Inf``,
     ``-Inf``."""
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
+    if isinstance(value, int):  # bool included: 1 or 0
+        return str(int(value))
     value = float(value)
     if math.isnan(value):
         return "NaN"

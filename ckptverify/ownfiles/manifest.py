@@ -8,6 +8,7 @@ presence marks a commit. ``self_digest`` (of its canonical JSON without that fie
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -17,8 +18,9 @@ from typing import Any
 
 from ckptverify.errors import ManifestError, UsageError
 from ckptverify.ownfiles.names import MANIFEST_FILE, MANIFEST_TEMP_PREFIX, write_atomic
-from ckptverify.safeparse import safejson
+from ckptverify.safeparse import paths, safejson
 from ckptverify.safeparse.paths import safe_relative_path
+from ckptverify.safeparse.readers import read_small_file
 
 MANIFEST_SCHEMA = "ckptverify/manifest"
 MANIFEST_SCHEMA_VERSION = 1
@@ -119,10 +121,7 @@ class TensorEntry:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "fingerprint": self.fingerprint}
-        if self.nan_count is not None:
-            out["nan_count"] = self.nan_count
-        if self.inf_count is not None:
-            out["inf_count"] = self.inf_count
+        out.update((k, v) for k, v in (("nan_count", self.nan_count), ("inf_count", self.inf_count)) if v is not None)
         if self.parts is not None:
             out["parts"] = dict(self.parts)
         return out
@@ -184,9 +183,7 @@ class Manifest:
         if d.get("schema_version") != MANIFEST_SCHEMA_VERSION:
             raise ManifestError(f"manifest schema version {d.get('schema_version')!r} is not supported "
                                 f"(this ckptverify reads version {MANIFEST_SCHEMA_VERSION})")
-        recorded = d.get("self_digest")
-        body = {k: v for k, v in d.items() if k != "self_digest"}
-        if recorded != _self_digest(body):
+        if d.get("self_digest") != _self_digest({k: v for k, v in d.items() if k != "self_digest"}):
             raise ManifestError("manifest self-digest does not match its content: it was edited or damaged")
         try:
             manifest = cls(
@@ -279,8 +276,6 @@ def validate(manifest: Manifest) -> None:
 
 
 def _self_digest(body: dict[str, Any]) -> str:
-    import hashlib
-
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
     return "sha256:" + hashlib.sha256(canonical).hexdigest()
 
@@ -350,9 +345,6 @@ def file_manifest_name(filename: str) -> str:
 def read_manifest(root: str, *, max_bytes: int = MAX_MANIFEST_BYTES, name: str = MANIFEST_FILE) -> Manifest | None:
     """The manifest at ``root`` (``None`` if absent): a regular file inside ``root``, at most ``max_bytes``, passing
     :func:`validate`. Raises :class:`ManifestError`."""
-    from ckptverify.safeparse import paths
-    from ckptverify.safeparse.readers import read_small_file
-
     path = os.path.join(root, name)
     if not paths.lexists(path):
         return None
@@ -367,19 +359,15 @@ def read_manifest(root: str, *, max_bytes: int = MAX_MANIFEST_BYTES, name: str =
 
 def write_manifest(root: str, manifest: Manifest, *, name: str = MANIFEST_FILE) -> str:
     """Write ``manifest`` into ``root`` as ``name`` atomically (temp, fsync, rename, fsync dir); returns its path. To a
-    URL:
-    one PUT (whole or nothing)."""
+    URL: one PUT (whole or nothing)."""
     path = os.path.join(root, name)
     text = manifest_text(manifest)
-    from ckptverify.safeparse import paths
-
     if paths.is_url(path):
         from ckptverify.safeparse import remote
 
         remote.put_small(path, text.encode())
         return path
-    write_atomic(path, text, prefix=MANIFEST_TEMP_PREFIX)
-    return path
+    return write_atomic(path, text, prefix=MANIFEST_TEMP_PREFIX)
 
 
 def _dumps_by_line(body: dict[str, Any]) -> str:
@@ -404,8 +392,6 @@ def manifest_text(manifest: Manifest) -> str:
     """Exactly what :func:`write_manifest` writes (``_dumps_by_line(manifest.to_dict())``), built from string pieces
     each escaped once. Values of unexpected types, or tensors with ``parts``, go through :meth:`Manifest.to_dict` (same
     text)."""
-    import hashlib
-
     try:
         sections = {
             "metadata_files": _dict_section(manifest.metadata_files, _file_pieces),

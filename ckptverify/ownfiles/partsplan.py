@@ -8,9 +8,13 @@ import json
 import os
 import re
 import uuid
+import warnings
 from typing import Any
 
+from ckptverify.errors import CkptVerifyWarning
 from ckptverify.ownfiles.names import PARTS_PLAN, PARTS_PREFIX, STAMP_TEMP_PREFIX, write_atomic
+from ckptverify.safeparse import safejson
+from ckptverify.safeparse.readers import read_small_file
 
 __all__ = ["PLAN_SCHEMA", "dcp_folders", "make_plan", "nodes_of", "part_verdict_path", "plan_from_names", "read_json",
            "read_plan", "share_out", "write_plan"]
@@ -50,17 +54,13 @@ def dcp_folders(root: str) -> list[str]:
     with the coordinator's check of the whole (which reports it)."""
     if os.path.isfile(os.path.join(root, ".metadata")):
         return [""]
-    out = []
     try:
         with os.scandir(root) as it:
             entries = sorted(it, key=lambda e: e.name)
     except OSError:
         return []
-    for e in entries:
-        if e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, ".metadata")) \
-                and not os.path.islink(os.path.join(e.path, ".metadata")):
-            out.append(e.name)
-    return out
+    return [e.name for e in entries if e.is_dir(follow_symlinks=False)
+            and os.path.isfile(meta := os.path.join(e.path, ".metadata")) and not os.path.islink(meta)]
 
 
 def plan_from_names(root: str, hosts: list[str]) -> dict[str, Any]:
@@ -83,10 +83,6 @@ def share_out(root: str, hosts: list[str], *, fingerprint: Any = False, deep: bo
     """The coordinator's side as a save into ``root`` committed: write its plan (:func:`plan_from_names`, with the
     after-save check's ``fingerprint`` and ``deep``). ``False``, with a warning, if unwritable: the coordinator then
     verifies the checkpoint whole."""
-    import warnings
-
-    from ckptverify.errors import CkptVerifyWarning
-
     try:
         write_plan(os.path.abspath(root), {**plan_from_names(root, hosts), "fingerprint": fingerprint, "deep": deep})
     except OSError as exc:  # the save stands
@@ -102,9 +98,6 @@ def part_verdict_path(root: str, node: int) -> str:
 
 def read_json(path: str, limit: int = MAX_BYTES) -> dict[str, Any] | None:
     """The JSON object in the small regular file ``path`` (at most ``limit`` bytes), else ``None``."""
-    from ckptverify.safeparse import safejson
-    from ckptverify.safeparse.readers import read_small_file
-
     try:
         data = safejson.loads(read_small_file(path, limit))
     except (OSError, ValueError, UnicodeDecodeError):

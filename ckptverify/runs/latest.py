@@ -9,6 +9,7 @@ or deleted here."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import errno
 import os
@@ -67,11 +68,9 @@ def move_aside(run_dir: str | os.PathLike[str], rel_path: str) -> str:
     try:
         for n in range(1000):
             name = f"{base}.moved-{when}" + (f"-{n}" if n else "")
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.lstat(name, dir_fd=fd)
-                continue
-            except FileNotFoundError:
-                pass
+                continue  # taken
             try:
                 os.rename(source, name, dst_dir_fd=fd)  # into the folder opened above, whatever its name is now
             except OSError as exc:
@@ -183,9 +182,7 @@ def missing_train_state_keys(path: str) -> list[str]:
         return []
     if not parsed:
         return []
-    keys: set[str] = set()
-    for meta in parsed.values():
-        keys.update(meta.entries)
+    keys = {key for meta in parsed.values() for key in meta.entries}
     return [k for k in TRAIN_STATE_KEYS if k not in keys]
 
 

@@ -12,12 +12,14 @@ import contextlib
 import fcntl
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
 from ckptverify.formats.rundir import find_checkpoints
 from ckptverify.ownfiles.names import SAVE_MARKER, VERIFYING_LOCK
+from ckptverify.runs.stamp import read_stamp
+from ckptverify.runs.states import is_quarantined
 from ckptverify.safeparse.paths import WalkNote
 
 __all__ = ["PruneResult", "is_locked", "prune"]
@@ -30,7 +32,7 @@ class PruneResult:
     dry_run: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"deleted": self.deleted, "kept": self.kept, "dry_run": self.dry_run}
+        return asdict(self)
 
 
 def is_locked(path: str) -> bool:
@@ -52,8 +54,6 @@ def is_locked(path: str) -> bool:
 
 def _failed(path: str) -> bool:
     """Whether ``path`` carries a stamp (current or not) of a failed verification."""
-    from ckptverify.runs.stamp import read_stamp
-
     try:
         stamp = read_stamp(path)
     except (OSError, ValueError, RecursionError):
@@ -71,8 +71,6 @@ def prune(run_dir: str | os.PathLike[str], *, keep: int, dry_run: bool = False, 
         raise UsageError(f"keep must be at least 1, got {keep}")
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a directory: {root}")
-    from ckptverify.runs.states import is_quarantined
-
     notes: list[WalkNote] = []
     found = find_checkpoints(root, notes=notes)
     if notes:

@@ -9,15 +9,17 @@ checkpoint, or an unseen part."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import stat
 import time
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.formats.rundir import DCP_FORMATS, Candidate, find_checkpoints
-from ckptverify.runs.stamp import SETTLE_SECONDS, files_fingerprint, removed
-from ckptverify.runs.states import GOOD_STATES, INCOMPLETE_CHECKS, STATES, judge_report
+from ckptverify.runs.stamp import SETTLE_SECONDS, describe_suspect, files_fingerprint, read_suspect, removed
+from ckptverify.runs.states import GOOD_STATES, INCOMPLETE_CHECKS, STATES, is_quarantined, judge_report
 from ckptverify.safeparse import paths
 from ckptverify.safeparse.paths import WalkNote
 
@@ -59,8 +61,6 @@ def judge(root: str, cand: Candidate, jobs: int | None, *, deep: bool = False) -
         if removed(path):
             return "deleted", _DELETED, {**counts, "errors": 0}
     if state in GOOD_STATES:
-        from ckptverify.runs.stamp import describe_suspect, read_suspect
-
         suspect = read_suspect(os.path.join(root, cand.path))
         if suspect is not None:
             return "suspect", describe_suspect(suspect), counts
@@ -70,8 +70,6 @@ def judge(root: str, cand: Candidate, jobs: int | None, *, deep: bool = False) -
 def _moved_since_walk(path: str, cand: Candidate) -> bool:
     """Whether ``cand``'s files no longer have the size and newest time the walk measured (the run directory itself
     never counts as moved)."""
-    import stat
-
     if cand.path == ".":
         return False
     try:
@@ -139,8 +137,6 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
     root = os.fspath(run_dir)
     if not paths.isdir(root):
         raise CheckpointNotFoundError(f"not a directory: {root}")
-    from ckptverify.runs.states import is_quarantined
-
     started = time.perf_counter()
     notes: list[WalkNote] = []
     candidates = find_checkpoints(root, notes=notes)
@@ -153,12 +149,9 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
     findings: list[Finding] = []
     judged = _judged_by_ranks(root, candidates, executor, jobs, deep, progress) if executor is not None else None
     for n, cand in enumerate(candidates):
-        if judged is not None:
-            state, reason, counts = judged[n]
-        else:
-            if progress is not None:
-                progress(f"{n + 1}/{len(candidates)} {cand.path}")
-            state, reason, counts = judge(root, cand, jobs, deep=deep)
+        if judged is None and progress is not None:
+            progress(f"{n + 1}/{len(candidates)} {cand.path}")
+        state, reason, counts = judged[n] if judged is not None else judge(root, cand, jobs, deep=deep)
         rows.append({**cand.to_dict(), "state": state, "reason": reason, **counts,
                      "quarantined": is_quarantined(cand.path), "handled_by": None})
     good = [r for r in rows if r["state"] in GOOD_STATES and not r["quarantined"]]
@@ -192,8 +185,6 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
 def _judged_by_ranks(root: str, candidates: list[Candidate], executor: Executor, jobs: int | None, deep: bool,
                      progress: Any) -> list[tuple[str, str, dict[str, Any]]]:
     """Every candidate judged by :func:`judge` on the rank it was given (``[state, reason, counts]`` each)."""
-    import dataclasses
-
     if progress is not None:
         progress(f"{len(candidates)} checkpoint(s) shared among {executor.world} ranks")
     units = [["checkpoint", dataclasses.asdict(c), deep] for c in candidates]

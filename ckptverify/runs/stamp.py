@@ -16,8 +16,13 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
+
+from ckptverify._version import __version__
 from ckptverify.findings import Report
+from ckptverify.formats.rundir import dir_format
 from ckptverify.ownfiles.names import (
+    MANIFEST_FILE,
     PARTS_PREFIX,
     SAVE_MARKER,
     STAMP_FILE,
@@ -27,7 +32,10 @@ from ckptverify.ownfiles.names import (
     own_folder,
     write_atomic,
 )
+from ckptverify.ownfiles.partsplan import read_json
+from ckptverify.runs.states import STATES, judge_report
 from ckptverify.safeparse import paths, safejson
+from ckptverify.safeparse.readers import read_small_file
 
 __all__ = ["SETTLE_SECONDS", "Stamp", "committed", "describe_suspect", "files_fingerprint", "read_stamp",
            "read_suspect", "removed", "stamp_path", "write_stamp", "write_suspect_note"]
@@ -59,8 +67,6 @@ def removed(path: str) -> bool:
     """Whether the checkpoint at ``path`` was removed (or, for DCP, lost its metadata: retention under way); asked
     before any verdict calls such damage corruption."""
     if paths.isdir(path):
-        from ckptverify.formats.rundir import dir_format
-
         try:
             names = paths.listdir(path)
         except OSError:
@@ -82,8 +88,6 @@ def stamp_path(checkpoint: str | os.PathLike[str], name: str = STAMP_FILE) -> st
 def files_fingerprint(root: str) -> str:
     """xxh3-128 over (relative path, type, size, mtime_ns, inode) of every file under ``root``, links not followed,
     the stamp, lock and part verdicts excluded; of ``root`` itself when not a directory."""
-    import xxhash
-
     h = xxhash.xxh3_128()
     entries: list[str] = []
     if not paths.isdir(root) or paths.islink(root):
@@ -123,8 +127,6 @@ class Stamp:
     def state(self) -> str | None:
         """The recorded strength (a :data:`~ckptverify.runs.states.STATES` value), or ``None`` for a stamp without
         one (never worth more than a fresh verification)."""
-        from ckptverify.runs.states import STATES
-
         value = self.data.get("state")
         return value if isinstance(value, str) and value in STATES else None
 
@@ -137,8 +139,6 @@ class Stamp:
 
 def _read(path: str, limit: int) -> bytes | None:
     """A small regular file's bytes (never a FIFO, device or link; capped), or ``None``."""
-    from ckptverify.safeparse.readers import read_small_file
-
     try:
         return read_small_file(path, limit)
     except OSError:
@@ -147,7 +147,6 @@ def _read(path: str, limit: int) -> bytes | None:
 
 def _manifest_digest(root: str) -> str | None:
     from ckptverify.fingerprint import digest_bytes
-    from ckptverify.ownfiles.manifest import MANIFEST_FILE
 
     raw = _read(stamp_path(root, MANIFEST_FILE), 256 << 20)
     return None if raw is None else digest_bytes(raw)
@@ -159,11 +158,7 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
     """Write the stamp for ``report`` (a ``verify`` report of ``root``); return what was written. ``fingerprint``
     should be taken *before* verifying, so a file changed meanwhile leaves the stamp already stale. ``throttled_s``
     and ``parts`` (a verification shared among nodes) are recorded when given."""
-    from ckptverify._version import __version__
-    from ckptverify.runs.states import judge_report
-
     folder = os.fspath(root)
-    counts = report.summary()
     suspect = _read_note(folder)
     data = {
         "schema": STAMP_SCHEMA,
@@ -174,7 +169,7 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
         "passed": report.passed,
         # A stamp ranks a checkpoint no higher than this.
         "state": judge_report(report),
-        "summary": counts,
+        "summary": report.summary(),
         "errors": [f.to_dict() for f in report.errors[:20]],
         "coverage": [c.to_dict() for c in report.coverage],
         "bytes_checked": report.stats.get("bytes"),
@@ -198,17 +193,10 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
     return data
 
 
-def _stamp_data(folder: str) -> dict[str, Any] | None:
-    """The stamp file of ``folder`` parsed, when it is a JSON object; else ``None``."""
-    from ckptverify.ownfiles.partsplan import read_json
-
-    return read_json(stamp_path(folder), MAX_STAMP_BYTES)
-
-
 def read_stamp(root: str | os.PathLike[str]) -> Stamp | None:
     """The stamp of ``root``, or ``None`` when there is none or it cannot be read as one (never trusted then)."""
     folder = os.fspath(root)
-    data = _stamp_data(folder)
+    data = read_json(stamp_path(folder), MAX_STAMP_BYTES)
     if data is None or data.get("schema") != STAMP_SCHEMA or not isinstance(data.get("passed"), bool):
         return None
     current = (data.get("files_fingerprint") == files_fingerprint(folder)
@@ -246,7 +234,7 @@ def read_suspect(checkpoint: str | os.PathLike[str]) -> dict[str, Any] | None:
     note = _read_note(folder)
     if note is not None:
         return note
-    data = _stamp_data(folder)
+    data = read_json(stamp_path(folder), MAX_STAMP_BYTES)
     value = data.get("suspect") if data is not None else None
     return value if isinstance(value, dict) else None
 

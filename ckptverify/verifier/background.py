@@ -30,8 +30,12 @@ from typing import Any
 
 from ckptverify.errors import CkptVerifyWarning, UsageError, VerifyFailedWarning
 from ckptverify.options import VerifyOptions
-from ckptverify.runs.stamp import SETTLE_SECONDS
-from ckptverify.state.distributed import Group
+from ckptverify.ownfiles.events import EventLog
+from ckptverify.ownfiles.partsplan import nodes_of
+from ckptverify.runs.stamp import SETTLE_SECONDS, read_stamp
+from ckptverify.state.distributed import Group, rank_world
+from ckptverify.verifier.jobs import STAMP, VERIFY_PART, job_function, run_job
+from ckptverify.verifier.parts import node_name, stamp_parts_locked
 from ckptverify.verifier.stamper import VerifyingLock, stamp_locked
 from ckptverify.verifier.throttle import IdleProbe, Throttle, env_number, throttle_enabled
 from ckptverify.verifier.verification import Verification, event_of, from_stamp, unverified
@@ -87,9 +91,6 @@ class AfterSave:
         """The event log to append to, or ``None``."""
         if self.events is None or hasattr(self.events, "emit"):
             return self.events
-        from ckptverify.ownfiles.events import EventLog
-        from ckptverify.state.distributed import rank_world
-
         return EventLog(os.fspath(self.events), rank=rank_world()[0])
 
 
@@ -111,8 +112,6 @@ class Task:
     locked: bool = True
 
     def __post_init__(self) -> None:
-        from ckptverify.verifier.jobs import job_function
-
         job_function(self.job)
 
 
@@ -173,9 +172,7 @@ class BackgroundVerifier:
         free (not for a ``locked=False`` task). ``parts``: verification shared among the writing nodes; this verifier
         checks the whole and its node's files, gathers the others and stamps (:mod:`~ckptverify.verifier.parts`)."""
         options = options or AfterSave(verify=VerifyOptions(when="background"))
-        job = self._job(path, step, options, deliver_later=True, take=task is None or task.locked)
-        job.task = task
-        job.parts = parts
+        job = self._job(path, step, options, deliver_later=True, task=task, parts=parts)
         with self._cond:
             if self._closed:
                 job.lock.release()
@@ -273,14 +270,15 @@ class BackgroundVerifier:
 
     # ------------------------------------------------------------------ internals
 
-    def _job(self, path: str | os.PathLike[str], step: int | None, options: AfterSave,
-             deliver_later: bool, take: bool = True) -> _Job:
+    def _job(self, path: str | os.PathLike[str], step: int | None, options: AfterSave, deliver_later: bool,
+             task: Task | None = None, parts: bool = False) -> _Job:
         root = os.path.abspath(os.fspath(path))
         lock = VerifyingLock(root)
-        if take:
+        if task is None or task.locked:
             with contextlib.suppress(OSError):
                 lock.acquire()  # busy (a watcher) or gone: the worker sorts it out
-        return _Job(root, step, options, lock, deliver_later=deliver_later, events=options.event_log())
+        return _Job(root, step, options, lock, deliver_later=deliver_later, events=options.event_log(), task=task,
+                    parts=parts)
 
     def _work(self) -> None:
         # With a process this thread only relays, at the process's priority, so awaited replies never starve.
@@ -341,8 +339,6 @@ class BackgroundVerifier:
                 time.sleep(_LOCK_POLL_SECONDS)
             if task is None and waited:
                 # Someone else (``ckptverify watch``) verified it meanwhile: their current stamp stands.
-                from ckptverify.runs.stamp import read_stamp
-
                 stamp = read_stamp(job.path)
                 if stamp is not None and stamp.current and (bool(stamp.data.get("deep"))
                                                             or not job.options.verify.deep):
@@ -353,12 +349,8 @@ class BackgroundVerifier:
         if task is not None:
             if child:
                 return self._child.run(task.job, task.args, throttle=self._throttled, urgent=self._urgent)
-            from ckptverify.verifier.jobs import run_job
-
             return run_job(task.job, task.args)
         if child:
-            from ckptverify.verifier.jobs import STAMP
-
             args = {"path": job.path, "step": job.step, "deep": job.options.verify.deep, "jobs": jobs or 1,
                     "settle": self.settle, "parts": job.parts}
             try:
@@ -374,8 +366,6 @@ class BackgroundVerifier:
                     throttle.lift()
                 self._throttle_now = throttle
         try:
-            from ckptverify.verifier.parts import stamp_parts_locked
-
             verify = stamp_parts_locked if job.parts else stamp_locked
             return verify(job.path, step=job.step, jobs=jobs, deep=job.options.verify.deep, settle=self.settle,
                           throttle=throttle)
@@ -420,14 +410,6 @@ class BackgroundVerifier:
         for job in unsaid:
             cut = _unverified(job, "cut-short", why)
             _emit(job.events, event_of(cut), cut)
-
-    def _forget_in_child(self) -> None:
-        """In a forked child: let go of the inherited lock descriptors (the parent still holds the locks)."""
-        for job in self._pending:
-            fd, job.lock._fd = job.lock._fd, None
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
 
 
 def _guarded(what: str, call: Callable[..., Any], *args: Any) -> None:
@@ -478,8 +460,6 @@ def node_hosts(group: Group) -> list[str] | None:
     ``None``."""
     if group.gather is None:
         return None
-    from ckptverify.verifier.parts import node_name
-
     hosts = [str(h) for h in group.gather(node_name())]  # the same list on every rank: all take one way
     return hosts if len(set(hosts)) > 1 else None
 
@@ -488,9 +468,6 @@ def submit_part(path: str | os.PathLike[str], step: int | None, hosts: list[str]
     """On the lowest rank of a node other than the coordinator's (else nothing): queue that node's part of a
     verification shared out among nodes (:mod:`~ckptverify.verifier.parts`); the coordinator reports the verdict, so
     only a part that wrote none is said (a warning)."""
-    from ckptverify.ownfiles.partsplan import nodes_of
-    from ckptverify.verifier.jobs import VERIFY_PART
-
     nodes = nodes_of(hosts)
     node = next(k for k, (_, ranks) in enumerate(nodes) if rank in ranks)
     if rank != nodes[node][1][0]:
@@ -514,8 +491,7 @@ def last_verification() -> Verification | None:
 
 def wait_for_checkpoint(path: str | os.PathLike[str], timeout: float | None = None) -> bool:
     """Wait until this process's verifier is done with ``path`` (at once if not queued); ``False`` on ``timeout``."""
-    verifier = _default
-    return True if verifier is None else verifier.wait_for([os.fspath(path)], timeout)
+    return True if _default is None else _default.wait_for([os.fspath(path)], timeout)
 
 
 def wait_for_verifications(timeout: float | None = None) -> bool:
@@ -538,8 +514,12 @@ def _at_exit() -> None:
 def _forget_after_fork() -> None:
     global _default, _default_lock
     _default_lock = threading.Lock()
-    if _default is not None:
-        _default._forget_in_child()
+    if _default is not None:  # let go of the inherited lock descriptors (the parent still holds the locks)
+        for job in _default._pending:
+            fd, job.lock._fd = job.lock._fd, None
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
     _default = None
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptverify.errors import UsageError
+from ckptverify.safeparse.readers import pacing
 from ckptverify.verifier.parts import part_job, stamp_parts_locked
 from ckptverify.verifier.saved import saved_job
 from ckptverify.verifier.stamper import stamp_locked
@@ -37,8 +38,6 @@ def stamp_job(path: str, step: int | None, deep: bool, jobs: int | None, settle:
 
 def _paced(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function`` with its reads paced by the ``throttle`` it is called with (it records no throttling itself)."""
-    from ckptverify.safeparse.readers import pacing
-
     @functools.wraps(function)
     def paced(*, throttle: Throttle | None = None, **args: Any) -> Any:
         with pacing(throttle):

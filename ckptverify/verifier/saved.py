@@ -13,6 +13,9 @@ from typing import Any, Literal
 
 from ckptverify.errors import reported_as_itself
 from ckptverify.findings import Report
+from ckptverify.formats.describe import is_own_file
+from ckptverify.runs.stamp import files_fingerprint, removed, stamp_path
+from ckptverify.verifier.parts import adoption_note, stamp_parts_locked
 from ckptverify.verifier.stamper import CHANGED
 from ckptverify.verifier.verification import Verification, event_of, from_report, unverified
 
@@ -82,7 +85,6 @@ def _fingerprint(root: str, jobs: int | None) -> str:
     """Write the manifest of the checkpoint just saved (replacing a former save's, which describes gone bytes);
     unprotected content is adopted as written. Returns what happened; a refusal is no failure by itself."""
     from ckptverify.audit.adopt import fingerprint_checkpoint
-    from ckptverify.verifier.parts import adoption_note
 
     return adoption_note(*fingerprint_checkpoint(root, force=True, jobs=jobs, trust_uncheckable=True))
 
@@ -90,9 +92,6 @@ def _fingerprint(root: str, jobs: int | None) -> str:
 def _vanished(root: str) -> bool:
     """Whether ``root`` was (or is being) deleted: gone, a DCP folder without metadata, or only ckptverify's files left.
     """
-    from ckptverify.formats.describe import is_own_file
-    from ckptverify.runs.stamp import removed
-
     if removed(root):
         return True
     if os.path.isdir(root) and not os.path.islink(root):
@@ -106,8 +105,6 @@ def _vanished(root: str) -> bool:
 
 def _tidy(root: str) -> None:
     """Remove ckptverify's own files from a checkpoint deleted while verified (and the folder, if left empty)."""
-    from ckptverify.formats.describe import is_own_file
-
     if os.path.isdir(root) and not os.path.islink(root):
         with contextlib.suppress(OSError):
             names = os.listdir(root)
@@ -123,7 +120,6 @@ def _tidy(root: str) -> None:
 def remove_beside(path: str) -> None:
     """Once the single-file checkpoint ``path`` is gone, remove ckptverify's files kept beside it (stamp, manifest)."""
     from ckptverify.audit.adopt import file_manifest_path
-    from ckptverify.runs.stamp import stamp_path
 
     if not os.path.lexists(path):
         for beside in (stamp_path(path), file_manifest_path(path)):
@@ -138,7 +134,7 @@ def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: 
     fields (``fingerprint``, ``stamp_error``); appends no event, warns of nothing. ``settle``: a failure or change is
     judged only after that many seconds; a checkpoint gone by then is ``deleted``, its own files removed."""
     from ckptverify.audit.verify import needs_manifest, verify_checkpoint
-    from ckptverify.runs.stamp import files_fingerprint, stamp_path, write_stamp
+    from ckptverify.runs.stamp import write_stamp  # looked up at each call (tests replace it)
 
     started = time.perf_counter()
     background = settle is not None
@@ -201,7 +197,6 @@ def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int |
     result = None
     if parts:
         from ckptverify.audit.verify import needs_manifest
-        from ckptverify.verifier.parts import stamp_parts_locked
 
         started = time.perf_counter()
         notes: list[str] = []

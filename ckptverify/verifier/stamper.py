@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptverify.ownfiles.names import VERIFYING_LOCK
 from ckptverify.runs.stamp import SETTLE_SECONDS, files_fingerprint, removed, stamp_path, write_stamp
+from ckptverify.safeparse.readers import pacing
 from ckptverify.verifier.throttle import Throttle
 from ckptverify.verifier.verification import Verification, from_report, unverified
 
@@ -117,7 +118,6 @@ def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: 
     thread's reads; its waits are recorded as ``throttled_s``. ``unstamped``: why no stamp can be written; the verdict
     on unmoved files is returned unstamped, with that reason."""
     from ckptverify.audit.verify import verify_checkpoint
-    from ckptverify.safeparse.readers import pacing
 
     started = time.perf_counter()
     try:

@@ -13,8 +13,11 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from ckptverify.errors import CkptVerifyWarning
 
 __all__ = [
     "CHECK_SECONDS",
@@ -69,10 +72,6 @@ def env_number(name: str, default: float, environ: dict[str, str] | None = None,
     if value >= 0:  # not NaN
         return value
     if warn:
-        import warnings
-
-        from ckptverify.errors import CkptVerifyWarning
-
         warnings.warn(f"{name}={raw!r} is not a non-negative number; using {default}", CkptVerifyWarning,
                       stacklevel=3)
     return default
@@ -126,20 +125,6 @@ def _read_proc_stat() -> str:
         return f.read()
 
 
-def _clock_ticks() -> int:
-    try:
-        return int(os.sysconf("SC_CLK_TCK"))
-    except (AttributeError, ValueError, OSError):
-        return 100
-
-
-def _allowed_cpus() -> set[int] | None:
-    try:
-        return set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
-
-
 class IdleProbe:
     """Idle cores this process may use since the last look, excluding the verifier's own CPU time, and no more than
     idle right now (``procs_running``, minus itself): averages count the gaps between parallel regions as idle.
@@ -150,18 +135,23 @@ class IdleProbe:
                  hz: int | None = None) -> None:
         self._read = read_stat
         self._own = own_seconds
-        self._cpus = set(cpus) if cpus is not None else _allowed_cpus()
-        self._hz = hz or _clock_ticks()
+        try:
+            self._cpus: set[int] | None = set(cpus) if cpus is not None else set(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self._cpus = None
+        try:
+            self._hz = hz or int(os.sysconf("SC_CLK_TCK"))
+        except (AttributeError, ValueError, OSError):
+            self._hz = 100
         self._last: tuple[CpuTimes, float] | None = None
 
     @classmethod
     def open(cls) -> IdleProbe | None:
         """A probe of this machine, or ``None`` where ``/proc/stat`` cannot be read (no throttle there)."""
         try:
-            readable = parse_proc_stat(_read_proc_stat()) is not None
+            return cls() if parse_proc_stat(_read_proc_stat()) is not None else None
         except OSError:
-            readable = False
-        return cls() if readable else None
+            return None
 
     def look(self) -> float | None:
         """Average idle cores since the previous look (``None`` at the first, when no tick passed, or unreadable)."""

@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from ckptverify.ownfiles import events
+from ckptverify.runs.stamp import stamp_path
+
 if TYPE_CHECKING:
     from ckptverify.findings import Report
 
@@ -92,14 +95,13 @@ class Verification:
             raise TypeError(f"not a verification: {type(data).__name__}")
         known = {f.name for f in fields(cls)} - {"report"}
         values = {k: v for k, v in data.items() if k in known}
-        if "verdict" not in values:
-            raise TypeError("not a verification: no verdict")
+        for name in ("verdict", "path"):
+            if name not in values:
+                raise TypeError(f"not a verification: no {name}")
         for name in ("errors", "coverage", "unchecked", "warnings"):
             if name in values:
                 values[name] = tuple(values[name] or ())
         values.setdefault("step", None)
-        if "path" not in values:
-            raise TypeError("not a verification: no path")
         try:
             return cls(**values, report=report)
         except ValueError as exc:
@@ -122,8 +124,6 @@ class Verification:
 def event_of(result: Verification) -> str:
     """The ``events.jsonl`` event name recording ``result`` (:data:`~ckptverify.ownfiles.events.VERIFICATION_EVENTS`).
     """
-    from ckptverify.ownfiles import events
-
     if result.verdict == "passed":
         return events.CHECKPOINT_VERIFIED
     if result.verdict == "failed":
@@ -161,8 +161,6 @@ def unverified(path: str, step: int | None, no_verdict: str, reason: str, *, dee
 
 def from_stamp(path: str, step: int | None, data: dict[str, Any]) -> Verification:
     """The :class:`Verification` a current stamp records (someone else verified the checkpoint)."""
-    from ckptverify.runs.stamp import stamp_path
-
     errors = [e for e in (data.get("errors") or []) if isinstance(e, dict)]
     first = errors[0] if errors else None
     return Verification(

@@ -19,12 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
+from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, NotRegularFileError, UsageError
 from ckptverify.formats.rundir import Candidate, find_checkpoints
-from ckptverify.ownfiles.names import append_line
+from ckptverify.ownfiles.gauges import render_gauges, write_gauges
+from ckptverify.ownfiles.names import append_line, check_replaceable
 from ckptverify.runs.stamp import SETTLE_SECONDS, committed, files_fingerprint, read_stamp
 from ckptverify.runs.states import judge_report
 from ckptverify.safeparse.paths import WalkNote
+from ckptverify.verifier.notify import DirectoryNotifier
 from ckptverify.verifier.stamper import stamp_locked, verify_and_stamp
 from ckptverify.verifier.verification import Verification, unverified
 
@@ -133,9 +135,7 @@ class WatchResult:
             return 1
         if self.state.unverifiable or self.problems or self.state.checkpoints == self.state.deleted:
             return 2
-        if self.nothing is not None:
-            return 1
-        return 0
+        return 1 if self.nothing is not None else 0
 
 
 @dataclass
@@ -204,9 +204,8 @@ def _ready(path: str, cand: Candidate, quiet: float) -> bool:
         return committed(path)
     if cand.format == "dcp-uncommitted":
         return False
-    if any(not committed(os.path.join(path, part)) for part in cand.parts):
-        return False
-    return time.time_ns() - cand.mtime_ns >= quiet * 1e9
+    return all(committed(os.path.join(path, part)) for part in cand.parts) \
+        and time.time_ns() - cand.mtime_ns >= quiet * 1e9
 
 
 #: The :class:`RunState` count of each result event (any other: ``pending``).
@@ -273,9 +272,6 @@ def _pass(root: str, *, jobs: int | None, deep: bool, settle: float, quiet: floa
 
 def _check_output(path: str, what: str) -> None:
     """Refuse, before anything is verified, an output file that could never be written."""
-    from ckptverify.errors import NotRegularFileError
-    from ckptverify.ownfiles.names import check_replaceable
-
     try:
         check_replaceable(path)
     except NotRegularFileError as exc:
@@ -298,8 +294,6 @@ def watch(run_dir: str | os.PathLike[str], *, once: bool = False, interval: floa
     once per distinct recording problem (then exit code 2). Raises :class:`~ckptverify.errors.CheckpointNotFoundError`
     (not a directory) and :class:`~ckptverify.errors.UsageError` (log or metrics not a regular file, or no directory).
     """
-    from ckptverify.verifier.notify import DirectoryNotifier
-
     root = os.fspath(run_dir)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a directory: {root}")
@@ -358,8 +352,6 @@ def watch(run_dir: str | os.PathLike[str], *, once: bool = False, interval: floa
 
 
 def _write_gauges(path: str, root: str, result: WatchResult, problem: Callable[[str], None]) -> None:
-    from ckptverify.ownfiles.gauges import render_gauges, write_gauges
-
     values = result.state.gauges(bytes_checked=result.bytes_checked, passes=result.passes, now=time.time())
     try:
         write_gauges(path, render_gauges("watch", root, values, WATCH_HELP))

@@ -11,6 +11,7 @@ priority again. Ends when stdin closes.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import json
@@ -59,8 +60,6 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
 def _arguments(argv: list[str]) -> tuple[str, int, str | None]:
     """``--priority``, ``--waiter-nice`` and ``--hurry-fd`` as set by the parent; anything unreadable: lowest priority.
     """
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m ckptverify.verifier.worker", add_help=False)
     parser.add_argument("--priority", default="idle")
     parser.add_argument("--waiter-nice", default="0")
@@ -169,26 +168,20 @@ class VerifierProcess:
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[name] = "1"
         self._close_hurry()
-        pass_fds: tuple[int, ...] = ()
-        hurry_r = None
-        if os.name == "posix":
-            hurry_r, hurry_w = os.pipe()
-            os.set_blocking(hurry_w, False)
-            with self._hurry_lock:
-                self._hurry_w = hurry_w
-            argv += ["--hurry-fd", str(hurry_r)]
-            pass_fds = (hurry_r,)
+        hurry_r, hurry_w = os.pipe()
+        os.set_blocking(hurry_w, False)
+        with self._hurry_lock:
+            self._hurry_w = hurry_w
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-P", "-m", "ckptverify.verifier.worker", *argv], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, text=True, encoding="utf-8", env=env, close_fds=True, bufsize=1,
-                pass_fds=pass_fds, cwd=os.path.abspath(os.sep))
+                [sys.executable, "-P", "-m", "ckptverify.verifier.worker", *argv, "--hurry-fd", str(hurry_r)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, encoding="utf-8", env=env, close_fds=True,
+                bufsize=1, pass_fds=(hurry_r,), cwd=os.path.abspath(os.sep))
         except BaseException:
             self._close_hurry()
             raise
         finally:
-            if hurry_r is not None:
-                os.close(hurry_r)
+            os.close(hurry_r)
         return self._proc
 
     def hurry(self) -> None:
