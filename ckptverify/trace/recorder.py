@@ -408,8 +408,12 @@ class TraceRecorder:
         deep = self.records_state
         if deep and batch_indices is not None:
             cells.append(Cell("data.indices", "data", _value_lanes(batch_indices), "digest128"))
-        if deep and batch is not None:
-            cells.extend(self._batch_cells(batch))
+        if deep and isinstance(batch, Mapping):
+            cells.extend(_value_item(f"batch.{k}", "batch", v) for k, v in batch.items())
+        elif deep and isinstance(batch, list | tuple):
+            cells.extend(_value_item(f"batch.{i}", "batch", v) for i, v in enumerate(batch))
+        elif deep and batch is not None:
+            cells.append(_value_item("batch", "batch", batch))
         cells.extend(x for x in self._module_cells if x is not None)
         for name, value in (metrics or {}).items():
             cells.append(_metric_item(str(name), value))
@@ -474,14 +478,6 @@ class TraceRecorder:
         if pending is not None:
             self.writer.append(pending[0], pending[1].cells())
 
-    @staticmethod
-    def _batch_cells(batch: Any) -> list[Item]:
-        if isinstance(batch, Mapping):
-            return [_value_item(f"batch.{k}", "batch", v) for k, v in batch.items()]
-        if isinstance(batch, list | tuple):
-            return [_value_item(f"batch.{i}", "batch", v) for i, v in enumerate(batch)]
-        return [_value_item("batch", "batch", batch)]
-
     def _state_cells(self, step: int, state: TrainState) -> list[Item]:
         rng = self._rng_cells("rng.", state)  # first, as TrainState.fields() does: reading the rest may draw
         fields = self._field_cells(state, rng)
@@ -490,11 +486,8 @@ class TraceRecorder:
         others = sorted(fields, key=lambda c: _FIELD_ORDER[c.kind])
         layout, digests, lanes = self._members(state)
         lo, hi = layout.digester.bounds[1:3]
-        optim: list[Item]
-        params: list[Item]
-        buffers: list[Item]
         if lanes is None:
-            optim, params, buffers = layout.digester.cells(digests, self.detail)  # type: ignore[assignment]
+            optim, params, buffers = layout.digester.cells(digests, self.detail)
             self._last = (step, layout.params.tensors, digests[lo:hi])
         else:
             made: list[list[list[Cell]]] = []
@@ -509,7 +502,7 @@ class TraceRecorder:
 
                 return _Deferred(lanes, make)
 
-            optim, params, buffers = [part(0)], [part(1)], [part(2)]
+            optim, params, buffers = [part(0)], [part(1)], [part(2)]  # type: ignore[list-item]
         return [*layout.optim_leaves.cells(), *scaler, *optim, *layout.param_leaves.cells(), *params, *buffers,
                 *others]
 
