@@ -118,12 +118,8 @@ def _digests_later(tensors: list[Any], finish: Callable[[list[int]], list[Cell]]
     lanes = kern.lanes_many([tensors[i] for i in device])
 
     def make(values: list[int]) -> list[Cell]:
-        digests = [0] * len(tensors)
-        for i, d in known.items():
-            digests[i] = d
-        for i, d in zip(device, category.pair_digests(values), strict=True):
-            digests[i] = d
-        return finish(digests)
+        got = {**known, **dict(zip(device, category.pair_digests(values), strict=True))}
+        return finish([got[i] for i in range(len(tensors))])
 
     return [_Deferred(lanes, make)]
 
