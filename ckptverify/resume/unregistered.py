@@ -26,7 +26,7 @@ def _kind(obj: Any) -> str | None:
     import torch
     from torch.utils.data import DataLoader, Sampler
 
-    if isinstance(obj, type | types.ModuleType | types.FunctionType | types.MethodType):
+    if isinstance(obj, type | types.ModuleType | types.FunctionType | types.MethodType | torch.Tensor):
         return None
     if isinstance(obj, torch.nn.Module):
         return "module"
@@ -42,8 +42,6 @@ def _kind(obj: Any) -> str | None:
         return "data loader"
     if isinstance(obj, Sampler):
         return "sampler"
-    if isinstance(obj, torch.Tensor):
-        return None
     if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
         return "stateful object"
     return None

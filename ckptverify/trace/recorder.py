@@ -94,8 +94,7 @@ class TraceRecorder:
         self._structure: _Structure | None = None
         self._gradients: _Gradients | None = None
         self._layout: _StateLayout | None = None
-        self._streams: Any = None
-        self._streams_key: Any = None
+        self._streams: tuple[Any, Any] | None = None  # (generators' key, their StreamDigests)
         self._rng_cells_made: dict[tuple[str, str], tuple[str, Cell]] = {}
         self._hparams = _HparamCells("hparam.", self.detail)
         self._start_hparams = _HparamCells("start.hparam.", self.detail)
@@ -116,10 +115,8 @@ class TraceRecorder:
         if self.records_comm:
             if chunk_elements < 1:
                 raise UsageError(f"chunk_elements must be positive, got {chunk_elements}")
-            if self.records_ops and window is None:
-                window = OpWindow()
             self._tracer = StepTracer(self._context, rank=rank,
-                                      window=window if self.records_ops else None, emit=self._emit,
+                                      window=(window or OpWindow()) if self.records_ops else None, emit=self._emit,
                                       fill=self._fill, chunk_elements=chunk_elements)
 
     def _emit(self, item: Any) -> int:
@@ -160,10 +157,8 @@ class TraceRecorder:
             raise UsageError("a model is already attached; call detach() first")
         self._model = model
         if optimizer is not None and self.records_state:
-            optimizers = optimizer if isinstance(optimizer, list | tuple) else [optimizer]
-            self._optimizers = list(optimizers)
-            for opt in optimizers:
-                self._handles.append(opt.register_step_pre_hook(self._optimizer_hook))
+            self._optimizers = list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
+            self._handles.extend(opt.register_step_pre_hook(self._optimizer_hook) for opt in self._optimizers)
         if not self.records_modules:
             return
         inner = _unwrap(model)
@@ -358,11 +353,11 @@ class TraceRecorder:
 
         gens = state.rng.generators
         key = (id(state), tuple((name, id(g)) for name, g in gens.items()))
-        if self._streams is None or self._streams_key != key:
-            self._streams, self._streams_key = StreamDigests(gens), key
+        if self._streams is None or self._streams[0] != key:
+            self._streams = (key, StreamDigests(gens))
         out = []
         cache = self._rng_cells_made
-        for kind, value in self._streams.current().items():
+        for kind, value in self._streams[1].current().items():
             hit = cache.get((prefix, kind))
             if hit is None or hit[0] != value:
                 hit = cache[(prefix, kind)] = (value, Cell(f"{prefix}{kind}", "rng", hex_lanes(value), "digest128"))
@@ -393,12 +388,11 @@ class TraceRecorder:
         rank must call this for every step."""
         op_items: list[Item] = []
         if self._tracer is not None and self._tracer.active:
-            started = self._step_started
             lanes, records, dropped = self._tracer.end()
             if self._tracer.ops_on:
-                if started != step:
-                    raise UsageError(f"the step began as step {started} (record_step_start) but is recorded as "
-                                     f"step {step}")
+                if self._step_started != step:
+                    raise UsageError(f"the step began as step {self._step_started} (record_step_start) but is "
+                                     f"recorded as step {step}")
                 op_items = self._op_log_items(step, lanes, records, dropped, self._tracer.chunk_elements)
         self._last_step = int(step)
         if self.header.digest_encoding == "unknown" and not self._encoding_seen:
@@ -441,7 +435,6 @@ class TraceRecorder:
     def _fill_encoding(self, state: TrainState | None, batch: Any, metrics: Mapping[str, Any] | None) -> None:
         """Set the header's ``digest_encoding`` from where the first row's tensors live (the model's parameters, else
         the batch or a metric); a row of numbers only leaves it ``unknown``."""
-        found = None
         if self.records_state:
             model = state.model if state is not None and state.model is not None else self._model
             found = next(iter(model.parameters()), None) if model is not None else None
@@ -464,10 +457,8 @@ class TraceRecorder:
             return []
         import torch
 
-        store = self.store_path
-
         def make(values: list[int]) -> list[Cell]:
-            write_op_log(store, step, records, dropped, values, chunk)
+            write_op_log(self.store_path, step, records, dropped, values, chunk)
             return []
 
         return [_Deferred(torch.cat(lanes), make)]
