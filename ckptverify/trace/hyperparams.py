@@ -16,6 +16,14 @@ from ckptverify.trace.sites import is_dtensor
 from ckptverify.trace.store import Cell, bits_float
 
 
+def _on_device(values: list[Any]) -> list[int]:
+    """Positions of the one-element tensors on an accelerator among ``values`` (reading one waits for it)."""
+    import torch
+
+    return [i for i, v in enumerate(values)
+            if isinstance(v, torch.Tensor) and not is_dtensor(v) and v.numel() == 1 and not _on_host(v)]
+
+
 def _code(v: Any) -> str | None:
     """How a hyperparameter's value packs: ``q`` (int64), ``d`` (float64), ``None`` (not a number). An integer
     beyond 64 bits is a :class:`UsageError`, a complex tensor a ``TypeError``."""
@@ -137,8 +145,6 @@ class _HparamCells:
         return cells
 
     def _make(self, optimizers: list[Any], groups: list[Any]) -> list[Item]:
-        import torch
-
         spec = self._spec
         fresh = spec is None or spec.shape != [*map(len, groups), len(optimizers)]
         if fresh:
@@ -146,9 +152,7 @@ class _HparamCells:
         assert spec is not None
         try:
             values = _values(spec, groups)
-            # One-element tensors on an accelerator: reading one waits for it.
-            on_device = [i for i, v in enumerate(values)
-                         if isinstance(v, torch.Tensor) and not is_dtensor(v) and v.numel() == 1 and not _on_host(v)]
+            on_device = _on_device(values)
             if on_device:
                 return [self._later(values, on_device, spec, fresh)]
             return self._packed(spec, values, fresh)
