@@ -164,10 +164,9 @@ class TraceRecorder:
         inner = _unwrap(model)
         for raw_name, module in inner.named_modules():
             name = canonical_name(raw_name) or ROOT_MODULE
-            if include is not None and not include(name, module):
+            # A wrapper's inner module is skipped: the wrapper already records this output.
+            if (include is not None and not include(name, module)) or raw_name.split(".")[-1] in _WRAPPER_PARTS:
                 continue
-            if any(p in _WRAPPER_PARTS for p in raw_name.split(".")[-1:]):
-                continue  # a wrapper's inner module: the wrapper already records this output
             cls = type(module).__name__
             self._handles.append(module.register_forward_pre_hook(self._input_hook(name, cls)))
             # always_call: non-reentrant checkpointing stops a recompute by raising; the frame must still pop.
