@@ -275,9 +275,8 @@ def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
     def items(obj: Any) -> list[tuple[str, Any]]:
         nonlocal truncated
         if isinstance(obj, Mapping):
-            keys = list(obj)
-            out = [(f"[{k!r}]", obj[k]) for k in keys[:HELD_ITEMS]]
-            n = len(keys)
+            out = [(f"[{k!r}]", obj[k]) for k in list(obj)[:HELD_ITEMS]]
+            n = len(obj)
         elif isinstance(obj, list | tuple):
             out = [(f"[{i}]", v) for i, v in enumerate(obj[:HELD_ITEMS])]
             n = len(obj)

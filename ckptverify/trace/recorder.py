@@ -443,8 +443,7 @@ class TraceRecorder:
             found = next((t for t in _tensor_leaves(dict(metrics or {}), []) if t.numel() != 1), None)
         if found is None:
             return
-        local = local_view(found)
-        self.header = replace(self.header, digest_encoding=digest_encoding(local.device.type == "cpu"))
+        self.header = replace(self.header, digest_encoding=digest_encoding(local_view(found).device.type == "cpu"))
         self.writer.set_header(self.header)
 
     def _op_log_items(self, step: int, lanes: list[Any], records: list[dict[str, Any]], dropped: int,
