@@ -148,9 +148,8 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
         return Verdict("undetermined", "production's trace and the replay's do not cover the same steps and ranks, "
                        "and every step both cover agrees: the steps not compared cannot be judged. What would tell: a "
                        "production trace of every replayed step on every rank (trace_every=1).")
-    s = min(d.step for d in found)
-    case = _Case(replay=replay, start=start, world=world, ran_on=production_start != start, where=where, s=s,
-                 comparisons=comps, notes=rank_files(replay, "notes"))
+    case = _Case(replay=replay, start=start, world=world, ran_on=production_start != start, where=where,
+                 s=min(d.step for d in found), comparisons=comps, notes=rank_files(replay, "notes"))
     return first_verdict(RULES, case)
 
 
