@@ -67,9 +67,8 @@ def _origin(found: dict[int, list[str]], world: int, records: Callable[[int, str
     if len(own) == 1 and not missing:
         ((rank, site),) = own.items()
         return (rank,), rank, site
-    if own:
-        return tuple(sorted({*own, *missing})), None, None
-    return tuple(sorted({*differing, *missing})), None, None
+    # Ranks with an own difference narrow the candidates down, if any.
+    return tuple(sorted({*(own or differing), *missing})), None, None
 
 
 @dataclass
