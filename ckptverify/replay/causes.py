@@ -67,21 +67,20 @@ def _origin(found: dict[int, list[str]], world: int, records: Callable[[int, str
     if len(own) == 1 and not missing:
         ((rank, site),) = own.items()
         return (rank,), rank, site
-    if own:
-        return tuple(sorted({*own, *missing})), None, None
-    return tuple(sorted({*differing, *missing})), None, None
+    # Ranks with an own difference narrow the candidates down, if any.
+    return tuple(sorted({*(own or differing), *missing})), None, None
 
 
 @dataclass
 class _Case:
     """The evidence of a replay verdict: the first step ``s`` where production and ``R1`` differ, each rank's
     comparison (``first``: those diverging at ``s``) and restore notes; derived facts are computed once, when a rule
-    first asks."""
+    first asks. ``ran_on``: production's process ran on from memory past the checkpoint the replay restored."""
 
     replay: str
     start: int
     world: int
-    production_start: int
+    ran_on: bool
     where: Callable[[int], str]
     s: int
     comparisons: list[RankComparison]
@@ -110,15 +109,6 @@ class _Case:
     @property
     def lead(self) -> Any:
         return self.first[min(self.first)].first
-
-    @property
-    def level(self) -> str:
-        return next(iter(self.pairs.values()))[0].header.level if self.pairs else "metrics"
-
-    @property
-    def ran_on(self) -> bool:
-        """Production's process ran on from memory past the checkpoint the replay restored."""
-        return self.production_start != self.start
 
     @cached_property
     def evidence(self) -> dict[int, StepEvidence]:
@@ -157,9 +147,8 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
         return Verdict("undetermined", "production's trace and the replay's do not cover the same steps and ranks, "
                        "and every step both cover agrees: the steps not compared cannot be judged. What would tell: a "
                        "production trace of every replayed step on every rank (trace_every=1).")
-    s = min(d.step for d in found)
-    case = _Case(replay=replay, start=start, world=world, production_start=production_start,
-                 where=where, s=s, comparisons=comps, notes=rank_files(replay, "notes"))
+    case = _Case(replay=replay, start=start, world=world, ran_on=production_start != start, where=where,
+                 s=min(d.step for d in found), comparisons=comps, notes=rank_files(replay, "notes"))
     return first_verdict(RULES, case)
 
 
@@ -267,7 +256,7 @@ def _undetermined(c: _Case, at: str, why: str) -> Verdict:
 
 
 def _metrics_level(c: _Case) -> Verdict | None:
-    if c.level != "metrics":
+    if c.pairs and next(iter(c.pairs.values()))[0].header.level != "metrics":
         return None
     return _undetermined(c, "first at step", "but the trace is at level metrics: it records no input of a step "
                          "(batch, random streams, hyperparameters), so a data pipeline or restore that does not "

@@ -325,8 +325,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
                 findings.extend(prod[:20])
                 judged = judge(segment, r1, start=ckpts.start, end=ckpts.end, world=world, production_start=seg_start,
                                where=lambda r: _where(hosts.get(r)), comparisons=compared)
-                rank = judged.rank
-                return done(judged, host=hosts.get(rank, {}).get("hostname") if rank is not None else None)
+                return done(judged, host=hosts.get(judged.rank, {}).get("hostname"))
             say("compare the final state with the production checkpoint")
             final = diff_checkpoints(ckpts.end_path, checkpoint_path(os.path.join(work, "R1"), ckpts.end))
             coverage.extend(final.coverage)

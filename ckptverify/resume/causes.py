@@ -123,9 +123,7 @@ def ranks_text(ranks: Sequence[int]) -> str:
 
 def _on_ranks(rank: int | str | None) -> str:
     """Where, in a sentence: ``rank 1``, a given description of several, or nothing."""
-    if rank is None:
-        return ""
-    return f"rank {rank}" if isinstance(rank, int) else rank
+    return "" if rank is None else f"rank {rank}" if isinstance(rank, int) else rank
 
 
 def hparam_start_cause(at: At, h: SiteDiff) -> tuple[str, str, str, str]:

@@ -20,7 +20,7 @@ from typing import Any
 from ckptverify.errors import UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info
 from ckptverify.resume.harness_target import check_target, split_target
-from ckptverify.resume.locate.walk import DEFAULT_REPEATS, Side, Walk, Walked, walk
+from ckptverify.resume.locate.walk import DEFAULT_REPEATS, Side, Walk, walk
 from ckptverify.resume.run import LEVELS, RunConfig
 from ckptverify.resume.verdict import Verdict
 
@@ -206,47 +206,42 @@ def _judge(plan: ChangePlan, cells: list[_Cell], work: str, say: Callable[[str],
                              f"variation began (first at step {u.step}, rank {u.rank}, {u.site}): its noise may reach "
                              "them and the runs may agree by chance; more --repeats would tell",
                              location=Location(rank=u.rank, fqn=u.site), actual={"step": u.step}))
-    first = beyond[0] if beyond else None
-    if first is None:
+    if not beyond:
         kind = "within-variation" if varying else "no-effect"
         sentence = (f"{plan.changed} stays within the natural variation of {plan.base} ({plan.repeats + 1} runs) at "
                     f"every traced site of steps 1..{plan.steps}" if varying else
                     f"{plan.changed} is bitwise equal to {plan.base} at every traced site of steps 1..{plan.steps} "
                     f"({plan.repeats + 1} baseline runs agree): the change has no effect on what is traced")
-        return _report(plan, findings, coverage, stats, kind, sentence, None, None)
-    for c in beyond[:MAX_SITES]:
-        spread = "equal in every baseline run" if c.controls_agree else "beyond the baseline runs' spread"
-        findings.append(error("compare-site", f"step {c.step}, rank {c.rank}: {c.site} differs ({spread})",
-                              location=Location(rank=c.rank, fqn=c.site),
-                              expected=c.controls[0] if c.controls_agree else list(c.controls),
-                              actual=c.changed))
-    kind = "beyond-variation" if varying else "effect"
-    where = f"step {first.step}, rank {first.rank}, site {first.site}"
-    sentence = (f"{plan.changed} differs from {plan.base} first at {where}; the baseline is deterministic (its "
-                f"{plan.repeats + 1} runs are bitwise equal at every traced site), so this is the change's effect"
-                if kind == "effect" else
-                f"{plan.changed} leaves the natural variation of {plan.base} first at {where} "
-                f"({len(beyond)} site-step(s) beyond it)")
-    located = None
-    if plan.locate:
-        say(f"locate: walking down from the verdict {kind}")
-        located = walk(Walk(step=first.step, sides=(Side(name="base", target=plan.base, total_steps=plan.steps),
-                                                    Side(name="changed", target=plan.changed,
-                                                         total_steps=plan.steps)),
-                            nproc=plan.nproc, device=plan.device, repeats=plan.locate_repeats, timeout_s=timeout_s,
-                            # the traces agree before this step: both start it from equal traced state
-                            state_equal=True,
-                            # every baseline run agreed: never call its variation natural
-                            deterministic=("base",) if kind == "effect" else ()),
-                       os.path.join(work, "locate"), progress=say)
-        findings.extend(located.findings())
-    return _report(plan, findings, coverage, stats, kind, sentence, first, located)
-
-
-def _report(plan: ChangePlan, findings: list[Finding], coverage: tuple[CheckCoverage, ...], stats: dict[str, Any],
-            kind: str, sentence: str, first: _Cell | None, located: Walked | None) -> Report:
-    verdict = Verdict(kind, f"{sentence}.", step=first.step if first else None, rank=first.rank if first else None,
-                      site=first.site if first else None, located=located)
+        verdict = Verdict(kind, f"{sentence}.")
+    else:
+        for c in beyond[:MAX_SITES]:
+            spread = "equal in every baseline run" if c.controls_agree else "beyond the baseline runs' spread"
+            findings.append(error("compare-site", f"step {c.step}, rank {c.rank}: {c.site} differs ({spread})",
+                                  location=Location(rank=c.rank, fqn=c.site),
+                                  expected=c.controls[0] if c.controls_agree else list(c.controls),
+                                  actual=c.changed))
+        first = beyond[0]
+        kind = "beyond-variation" if varying else "effect"
+        where = f"step {first.step}, rank {first.rank}, site {first.site}"
+        sentence = (f"{plan.changed} differs from {plan.base} first at {where}; the baseline is deterministic (its "
+                    f"{plan.repeats + 1} runs are bitwise equal at every traced site), so this is the change's "
+                    "effect" if kind == "effect" else
+                    f"{plan.changed} leaves the natural variation of {plan.base} first at {where} "
+                    f"({len(beyond)} site-step(s) beyond it)")
+        located = None
+        if plan.locate:
+            say(f"locate: walking down from the verdict {kind}")
+            sides = (Side(name="base", target=plan.base, total_steps=plan.steps),
+                     Side(name="changed", target=plan.changed, total_steps=plan.steps))
+            located = walk(Walk(step=first.step, sides=sides, nproc=plan.nproc, device=plan.device,
+                                repeats=plan.locate_repeats, timeout_s=timeout_s,
+                                # the traces agree before this step: both start it from equal traced state
+                                state_equal=True,
+                                # every baseline run agreed: never call its variation natural
+                                deterministic=("base",) if kind == "effect" else ()),
+                           os.path.join(work, "locate"), progress=say)
+            findings.extend(located.findings())
+        verdict = Verdict(kind, f"{sentence}.", step=first.step, rank=first.rank, site=first.site, located=located)
     findings.append(verdict.finding("compare-verdict"))
     stats["verdict"] = verdict.to_dict()
     return Report(command="compare", target=f"{plan.base} vs {plan.changed}", findings=tuple(findings),

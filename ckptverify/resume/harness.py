@@ -51,8 +51,7 @@ class Plan:
             raise UsageError(f"--resume-at must be between 1 and --steps - 1 ({self.steps - 1}), got {self.resume_at}")
         if self.nproc < 1:
             raise UsageError(f"--nproc must be at least 1, got {self.nproc}")
-        unknown = set(self.runs) - set(RUN_NAMES)
-        if unknown or "A" not in self.runs:
+        if not set(self.runs) <= set(RUN_NAMES) or "A" not in self.runs:
             raise UsageError(f"--runs must include A and be drawn from {', '.join(RUN_NAMES)}, got {self.runs}")
 
 

@@ -118,8 +118,7 @@ def _pump(read: int, out: int, prefix: bytes) -> None:
             if len(pending) > _LONGEST:
                 lines.append(pending)
                 pending = b""
-            if lines:
-                _write_lines(out, [prefix + line + b"\n" for line in lines])
+            _write_lines(out, [prefix + line + b"\n" for line in lines])
         if pending:
             _write_lines(out, [prefix + pending + b"\n"])
     except OSError:

@@ -26,7 +26,7 @@ def _kind(obj: Any) -> str | None:
     import torch
     from torch.utils.data import DataLoader, Sampler
 
-    if isinstance(obj, type | types.ModuleType | types.FunctionType | types.MethodType):
+    if isinstance(obj, type | types.ModuleType | types.FunctionType | types.MethodType | torch.Tensor):
         return None
     if isinstance(obj, torch.nn.Module):
         return "module"
@@ -42,8 +42,6 @@ def _kind(obj: Any) -> str | None:
         return "data loader"
     if isinstance(obj, Sampler):
         return "sampler"
-    if isinstance(obj, torch.Tensor):
-        return None
     if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
         return "stateful object"
     return None
@@ -60,12 +58,11 @@ def _fields(state: Any) -> dict[int, str]:
     return fields
 
 
-def _registered(state: Any) -> tuple[set[int], list[Any]]:
-    """Ids of everything ``state`` holds (with its modules, generators and a loader's sampler), and its modules."""
+def _registered(state: Any) -> set[int]:
+    """Ids of everything ``state`` holds (with its modules, generators and a loader's sampler)."""
     import torch
 
     ids = {id(state), id(torch.default_generator), *_fields(state), *map(id, state.rng.generators.values())}
-    modules = [state.model] if state.model is not None else []
     if state.model is not None:
         ids.update(id(m) for m in state.model.modules())
     loader = state.dataloader
@@ -82,13 +79,13 @@ def _registered(state: Any) -> tuple[set[int], list[Any]]:
                 inner = getattr(part, "sampler", None)
                 if inner is not None:
                     ids.add(id(inner))
-    return ids, modules
+    return ids
 
 
-def _wraps_registered(obj: Any, modules: list[Any]) -> bool:
-    """Whether module ``obj`` contains the registered model (a DDP or compile wrapper around it)."""
+def _wraps_registered(obj: Any, model: Any) -> bool:
+    """Whether module ``obj`` contains the registered ``model`` (a DDP or compile wrapper around it)."""
     try:
-        return any(m is r for m in obj.modules() for r in modules)
+        return model is not None and any(m is model for m in obj.modules())
     except Exception:
         return False
 
@@ -105,7 +102,7 @@ def _container_attrs(obj: Any) -> Mapping[str, Any]:
 def find_unregistered(local_vars: Mapping[str, Any], state: Any) -> list[dict[str, str]]:
     """Stateful objects among ``local_vars`` (and in containers among them) that ``state`` does not hold, as
     ``{"name", "kind", "type"}``: the variable that names each and what it is."""
-    ids, modules = _registered(state)
+    ids = _registered(state)
     seen: set[int] = set()
     out: list[dict[str, str]] = []
 
@@ -113,11 +110,8 @@ def find_unregistered(local_vars: Mapping[str, Any], state: Any) -> list[dict[st
         if obj is None or id(obj) in ids or id(obj) in seen:
             return
         kind = _kind(obj)
-        if kind is None:
-            return
-        if kind == "module" and _wraps_registered(obj, modules):
-            return
-        if type(obj).__name__ in ("Run", "TrainState"):
+        if kind is None or type(obj).__name__ in ("Run", "TrainState") or (
+                kind == "module" and _wraps_registered(obj, state.model)):
             return
         seen.add(id(obj))
         out.append({"name": name, "kind": kind, "type": type(obj).__name__})
@@ -149,34 +143,28 @@ def registered_bindings(local_vars: Mapping[str, Any], state: Any) -> dict[str, 
     """Locals naming an object ``state`` registers: ``{name: (id, TrainState field, type)}``, taken at
     ``run.restore`` so :func:`replaced_objects` can tell a name was later rebound."""
     fields = _fields(state)
-    out: dict[str, tuple[int, str, str]] = {}
-    for name, obj in local_vars.items():
-        if not name.startswith("_") and id(obj) in fields:
-            out[name] = (id(obj), fields[id(obj)], type(obj).__name__)
-    return out
+    return {name: (id(obj), fields[id(obj)], type(obj).__name__) for name, obj in local_vars.items()
+            if not name.startswith("_") and id(obj) in fields}
 
 
 def replaced_objects(bindings: Mapping[str, tuple[int, str, str]], local_vars: Mapping[str, Any], state: Any
                      ) -> list[dict[str, str]]:
     """Variables that named a registered object at ``run.restore`` and now name another object of a stateful kind
     ``state`` does not hold (rebuilt after the restore: the loop uses the new one, checkpoints the old)."""
-    ids, _ = _registered(state)
+    ids = _registered(state)
     out: list[dict[str, str]] = []
     for name, (oid, field, type_name) in bindings.items():
         now = local_vars.get(name)
-        if now is None or id(now) == oid or id(now) in ids:
+        # _kind None: the name was reused for something else, not a rebuilt object.
+        if now is None or id(now) == oid or id(now) in ids or _kind(now) is None:
             continue
-        if _kind(now) is None:
-            continue  # the name was reused for something else, not a rebuilt object
         out.append({"name": name, "field": field, "type": type(now).__name__, "registered_type": type_name})
     return out
 
 
 def missing_optimizer(state: Any) -> str | None:
     """A sentence when ``state`` has a model with trainable parameters but no optimizer, else ``None``."""
-    if state.optimizers or state.model is None:
-        return None
-    if not any(p.requires_grad for p in state.model.parameters()):
+    if state.optimizers or state.model is None or not any(p.requires_grad for p in state.model.parameters()):
         return None
     return ("no optimizer is registered in the TrainState: its moments and step counts are not saved, so a "
             "resumed run starts them from zero")
@@ -250,7 +238,7 @@ def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
 
     from ckptverify.fingerprint import tensor_fingerprint
 
-    ids, _ = _registered(state)
+    ids = _registered(state)
     covered = _covered_storages(state)
     entries: dict[str, dict[str, str]] = {}
     skipped: list[str] = []
@@ -287,9 +275,8 @@ def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
     def items(obj: Any) -> list[tuple[str, Any]]:
         nonlocal truncated
         if isinstance(obj, Mapping):
-            keys = list(obj)
-            out = [(f"[{k!r}]", obj[k]) for k in keys[:HELD_ITEMS]]
-            n = len(keys)
+            out = [(f"[{k!r}]", obj[k]) for k in list(obj)[:HELD_ITEMS]]
+            n = len(obj)
         elif isinstance(obj, list | tuple):
             out = [(f"[{i}]", v) for i, v in enumerate(obj[:HELD_ITEMS])]
             n = len(obj)

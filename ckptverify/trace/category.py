@@ -61,8 +61,7 @@ def locate(expected: Sequence[int], actual: Sequence[int]) -> tuple[int, int] | 
     if d1 & ((1 << k) - 1):
         return None
     bits = 64 - k
-    u = d0 >> k
-    return ((d1 >> k) * pow(u, -1, 1 << bits)) & ((1 << bits) - 1), bits
+    return ((d1 >> k) * pow(d0 >> k, -1, 1 << bits)) & ((1 << bits) - 1), bits
 
 
 def matches(name: str, located: tuple[int, int]) -> bool:

@@ -62,13 +62,8 @@ def _category_cells(group: str, kind: str, names: list[str], weights: list[int],
     return cells
 
 
-def _summary(obj: Any) -> Any:
-    """``obj`` with every tensor replaced by its member digest, dtype and shape (for composite digests)."""
-    return _filled(_skeleton(obj), iter(category.tensor_digests(_tensor_leaves(obj, []))))
-
-
 def _tensor_leaves(obj: Any, out: list[Any]) -> list[Any]:
-    """The tensors :func:`_summary` meets in ``obj``, in its walk order."""
+    """The tensors in ``obj`` (through mappings' values and sequences' items), in walk order."""
     import torch
 
     if isinstance(obj, torch.Tensor):
@@ -103,7 +98,7 @@ def _value_item(site: str, kind: str, obj: Any, info: str = "") -> Item:
 
 
 def _skeleton(obj: Any) -> Any:
-    """``obj`` as :func:`_summary` walks it, each tensor a tuple ``(dtype, shape)``, its digest to come (no other
+    """``obj`` as :func:`_tensor_leaves` walks it, each tensor a tuple ``(dtype, shape)``, its digest to come (no other
     tuple is left: sequences become lists)."""
     import torch
 
@@ -119,7 +114,8 @@ def _skeleton(obj: Any) -> Any:
 
 
 def _filled(skeleton: Any, digests: Any) -> Any:
-    """What :func:`_summary` gives for ``skeleton``'s object, tensor digests taken from ``digests`` in walk order."""
+    """``skeleton``'s object with every tensor replaced by its member digest (taken from ``digests`` in walk order),
+    dtype and shape: what a composite value's digest is taken of."""
     if type(skeleton) is tuple:
         return {"digest": f"{next(digests):032x}", "dtype": skeleton[0], "shape": skeleton[1]}
     if isinstance(skeleton, dict):
@@ -167,7 +163,8 @@ def _value_lanes(value: Any) -> tuple[int, int]:
     try:
         text = _json(value)
     except (TypeError, ValueError):
-        return hex_lanes(state_digest(_summary(value)))
+        digests = category.tensor_digests(_tensor_leaves(value, []))
+        return hex_lanes(state_digest(_filled(_skeleton(value), iter(digests))))
     d = xxhash.xxh3_128_intdigest(b"J" + text.encode("utf-8", "surrogatepass"))
     return digest_lanes(d)
 

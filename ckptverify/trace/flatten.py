@@ -149,11 +149,9 @@ class _StateLayout:
                 if local.device.type == "cpu" and local.numel():
                     owners.setdefault((local.data_ptr(), local.dtype, tuple(local.shape)), t)
         tensors = [(n, v) for n, v in param_flat.items() if _is_tensor(v)]
-        live = []
-        for _, v in tensors:
-            local = local_view(v)
-            key = (local.data_ptr(), local.dtype, tuple(local.shape)) if local.device.type == "cpu" else None
-            live.append(owners.get(key, local))
+        locals_ = [local_view(v) for _, v in tensors]
+        live = [owners.get((t.data_ptr(), t.dtype, tuple(t.shape)), t) if t.device.type == "cpu" else t
+                for t in locals_]
         self.params = _Members("param.*", "param", [f"param.{n[len('model.'):]}" for n, _ in tensors],
                                [v for _, v in tensors])
         buffers = non_persistent_buffers(state.model) if state.model is not None else []

@@ -176,9 +176,7 @@ class _HparamCells:
         import torch
 
         bits = torch.cat([values[i].detach().reshape(1).to(torch.float64).view(torch.int64) for i in on_device])
-        kept = list(values)
-        for i in on_device:
-            kept[i] = None  # not held: read back
+        kept = [None if i in on_device else v for i, v in enumerate(values)]  # device values not held: read back
 
         def make(read: list[int]) -> list[Cell]:
             filled = list(kept)

@@ -42,7 +42,6 @@ class _Digester:
         followed by identity elsewhere."""
         self.categories = categories
         tensors = [t for c in categories for t in c.locals]
-        self.count = len(tensors)
         self._host = [i for i, t in enumerate(tensors) if _on_host(t) or _has_parts(t)]
         self._device: dict[Any, list[int]] = {}
         for i, t in enumerate(tensors):
@@ -60,7 +59,7 @@ class _Digester:
         host = self._views.digests()
         if host is None or not self._device:
             return None if host is None else (host, None)
-        out = [0] * self.count
+        out = [0] * len(self._tensors)
         for i, d in zip(self._host, host, strict=True):
             out[i] = d
         if len(self._device) == 1:

@@ -122,18 +122,12 @@ def make_event(step: int, index: int, raw: dict[str, Any], chunk_elements: int) 
 MAX_OP_LOG_BYTES = 1 << 30
 
 
-def _store(trace_dir_or_store: str | os.PathLike[str], rank: int) -> Path:
-    """Rank ``rank``'s store: ``trace_dir_or_store`` itself when it is one, else its ``rank<r>``."""
-    from ckptverify.trace.store import is_store, rank_store_path
-
-    return Path(trace_dir_or_store) if is_store(trace_dir_or_store) else rank_store_path(trace_dir_or_store, rank)
-
-
 def _op_log(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) -> Any:
-    """The parsed op log of ``step`` on ``rank``, checked."""
-    from ckptverify.trace.store import _read_file
+    """The parsed op log of ``step`` on ``rank``, checked; ``trace_dir_or_store`` is rank ``rank``'s store itself, or
+    the run's trace directory holding it as ``rank<r>``."""
+    from ckptverify.trace.store import _read_file, is_store, rank_store_path
 
-    store = _store(trace_dir_or_store, rank)
+    store = Path(trace_dir_or_store) if is_store(trace_dir_or_store) else rank_store_path(trace_dir_or_store, rank)
     path = op_log_path(store, step)
     raw = _read_file(path, MAX_OP_LOG_BYTES)  # as the store's own files: a regular file, size capped
     if raw is None:
@@ -207,8 +201,7 @@ def window_from_dict(data: Any) -> OpWindow:
     """An :class:`OpWindow` from its JSON form; :class:`~ckptverify.errors.UsageError` otherwise."""
     if not isinstance(data, dict):
         raise UsageError(f"an op window is a JSON object, not {type(data).__name__}")
-    known = {"steps", "ranks", "modules", "max_ops", "capture", "capture_path"}
-    extra = set(data) - known
+    extra = set(data) - {"steps", "ranks", "modules", "max_ops", "capture", "capture_path"}
     if extra:
         raise UsageError(f"unknown op window field(s): {', '.join(sorted(extra))}")
 

@@ -64,17 +64,14 @@ class _ReadBack:
         import torch
 
         self.items = items
-        tensors: dict[int, Any] = {}
+        by_device: dict[Any, dict[int, Any]] = {}  # {id: tensor} per device, in order of first use
         for x in items:
             if type(x) is _Deferred:
-                tensors.setdefault(id(x.tensor), x.tensor)
-        by_device: dict[Any, list[tuple[int, Any]]] = {}
-        for key, t in tensors.items():
-            by_device.setdefault(t.device, []).append((key, t))
+                by_device.setdefault(x.tensor.device, {})[id(x.tensor)] = x.tensor
         self._reads: list[tuple[list[tuple[int, int]], Any, Any]] = []  # (key, numel) per member, values, event
         for device, members in by_device.items():
-            flat = torch.cat([t.reshape(-1).to(torch.int64) for _, t in members])
-            layout = [(key, t.numel()) for key, t in members]
+            flat = torch.cat([t.reshape(-1).to(torch.int64) for t in members.values()])
+            layout = [(key, t.numel()) for key, t in members.items()]
             event = None
             if device.type == "cuda" and pinned is not None:
                 buf = pinned.get(device)
@@ -121,12 +118,8 @@ def _digests_later(tensors: list[Any], finish: Callable[[list[int]], list[Cell]]
     lanes = kern.lanes_many([tensors[i] for i in device])
 
     def make(values: list[int]) -> list[Cell]:
-        digests = [0] * len(tensors)
-        for i, d in known.items():
-            digests[i] = d
-        for i, d in zip(device, category.pair_digests(values), strict=True):
-            digests[i] = d
-        return finish(digests)
+        got = {**known, **dict(zip(device, category.pair_digests(values), strict=True))}
+        return finish([got[i] for i in range(len(tensors))])
 
     return [_Deferred(lanes, make)]
 

@@ -94,8 +94,7 @@ class TraceRecorder:
         self._structure: _Structure | None = None
         self._gradients: _Gradients | None = None
         self._layout: _StateLayout | None = None
-        self._streams: Any = None
-        self._streams_key: Any = None
+        self._streams: tuple[Any, Any] | None = None  # (generators' key, their StreamDigests)
         self._rng_cells_made: dict[tuple[str, str], tuple[str, Cell]] = {}
         self._hparams = _HparamCells("hparam.", self.detail)
         self._start_hparams = _HparamCells("start.hparam.", self.detail)
@@ -116,10 +115,8 @@ class TraceRecorder:
         if self.records_comm:
             if chunk_elements < 1:
                 raise UsageError(f"chunk_elements must be positive, got {chunk_elements}")
-            if self.records_ops and window is None:
-                window = OpWindow()
             self._tracer = StepTracer(self._context, rank=rank,
-                                      window=window if self.records_ops else None, emit=self._emit,
+                                      window=(window or OpWindow()) if self.records_ops else None, emit=self._emit,
                                       fill=self._fill, chunk_elements=chunk_elements)
 
     def _emit(self, item: Any) -> int:
@@ -160,19 +157,16 @@ class TraceRecorder:
             raise UsageError("a model is already attached; call detach() first")
         self._model = model
         if optimizer is not None and self.records_state:
-            optimizers = optimizer if isinstance(optimizer, list | tuple) else [optimizer]
-            self._optimizers = list(optimizers)
-            for opt in optimizers:
-                self._handles.append(opt.register_step_pre_hook(self._optimizer_hook))
+            self._optimizers = list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
+            self._handles.extend(opt.register_step_pre_hook(self._optimizer_hook) for opt in self._optimizers)
         if not self.records_modules:
             return
         inner = _unwrap(model)
         for raw_name, module in inner.named_modules():
             name = canonical_name(raw_name) or ROOT_MODULE
-            if include is not None and not include(name, module):
+            # A wrapper's inner module is skipped: the wrapper already records this output.
+            if (include is not None and not include(name, module)) or raw_name.split(".")[-1] in _WRAPPER_PARTS:
                 continue
-            if any(p in _WRAPPER_PARTS for p in raw_name.split(".")[-1:]):
-                continue  # a wrapper's inner module: the wrapper already records this output
             cls = type(module).__name__
             self._handles.append(module.register_forward_pre_hook(self._input_hook(name, cls)))
             # always_call: non-reentrant checkpointing stops a recompute by raising; the frame must still pop.
@@ -358,11 +352,11 @@ class TraceRecorder:
 
         gens = state.rng.generators
         key = (id(state), tuple((name, id(g)) for name, g in gens.items()))
-        if self._streams is None or self._streams_key != key:
-            self._streams, self._streams_key = StreamDigests(gens), key
+        if self._streams is None or self._streams[0] != key:
+            self._streams = (key, StreamDigests(gens))
         out = []
         cache = self._rng_cells_made
-        for kind, value in self._streams.current().items():
+        for kind, value in self._streams[1].current().items():
             hit = cache.get((prefix, kind))
             if hit is None or hit[0] != value:
                 hit = cache[(prefix, kind)] = (value, Cell(f"{prefix}{kind}", "rng", hex_lanes(value), "digest128"))
@@ -393,12 +387,11 @@ class TraceRecorder:
         rank must call this for every step."""
         op_items: list[Item] = []
         if self._tracer is not None and self._tracer.active:
-            started = self._step_started
             lanes, records, dropped = self._tracer.end()
             if self._tracer.ops_on:
-                if started != step:
-                    raise UsageError(f"the step began as step {started} (record_step_start) but is recorded as "
-                                     f"step {step}")
+                if self._step_started != step:
+                    raise UsageError(f"the step began as step {self._step_started} (record_step_start) but is "
+                                     f"recorded as step {step}")
                 op_items = self._op_log_items(step, lanes, records, dropped, self._tracer.chunk_elements)
         self._last_step = int(step)
         if self.header.digest_encoding == "unknown" and not self._encoding_seen:
@@ -408,8 +401,12 @@ class TraceRecorder:
         deep = self.records_state
         if deep and batch_indices is not None:
             cells.append(Cell("data.indices", "data", _value_lanes(batch_indices), "digest128"))
-        if deep and batch is not None:
-            cells.extend(self._batch_cells(batch))
+        if deep and isinstance(batch, Mapping):
+            cells.extend(_value_item(f"batch.{k}", "batch", v) for k, v in batch.items())
+        elif deep and isinstance(batch, list | tuple):
+            cells.extend(_value_item(f"batch.{i}", "batch", v) for i, v in enumerate(batch))
+        elif deep and batch is not None:
+            cells.append(_value_item("batch", "batch", batch))
         cells.extend(x for x in self._module_cells if x is not None)
         for name, value in (metrics or {}).items():
             cells.append(_metric_item(str(name), value))
@@ -437,7 +434,6 @@ class TraceRecorder:
     def _fill_encoding(self, state: TrainState | None, batch: Any, metrics: Mapping[str, Any] | None) -> None:
         """Set the header's ``digest_encoding`` from where the first row's tensors live (the model's parameters, else
         the batch or a metric); a row of numbers only leaves it ``unknown``."""
-        found = None
         if self.records_state:
             model = state.model if state is not None and state.model is not None else self._model
             found = next(iter(model.parameters()), None) if model is not None else None
@@ -447,8 +443,7 @@ class TraceRecorder:
             found = next((t for t in _tensor_leaves(dict(metrics or {}), []) if t.numel() != 1), None)
         if found is None:
             return
-        local = local_view(found)
-        self.header = replace(self.header, digest_encoding=digest_encoding(local.device.type == "cpu"))
+        self.header = replace(self.header, digest_encoding=digest_encoding(local_view(found).device.type == "cpu"))
         self.writer.set_header(self.header)
 
     def _op_log_items(self, step: int, lanes: list[Any], records: list[dict[str, Any]], dropped: int,
@@ -460,10 +455,8 @@ class TraceRecorder:
             return []
         import torch
 
-        store = self.store_path
-
         def make(values: list[int]) -> list[Cell]:
-            write_op_log(store, step, records, dropped, values, chunk)
+            write_op_log(self.store_path, step, records, dropped, values, chunk)
             return []
 
         return [_Deferred(torch.cat(lanes), make)]
@@ -474,14 +467,6 @@ class TraceRecorder:
         if pending is not None:
             self.writer.append(pending[0], pending[1].cells())
 
-    @staticmethod
-    def _batch_cells(batch: Any) -> list[Item]:
-        if isinstance(batch, Mapping):
-            return [_value_item(f"batch.{k}", "batch", v) for k, v in batch.items()]
-        if isinstance(batch, list | tuple):
-            return [_value_item(f"batch.{i}", "batch", v) for i, v in enumerate(batch)]
-        return [_value_item("batch", "batch", batch)]
-
     def _state_cells(self, step: int, state: TrainState) -> list[Item]:
         rng = self._rng_cells("rng.", state)  # first, as TrainState.fields() does: reading the rest may draw
         fields = self._field_cells(state, rng)
@@ -490,11 +475,8 @@ class TraceRecorder:
         others = sorted(fields, key=lambda c: _FIELD_ORDER[c.kind])
         layout, digests, lanes = self._members(state)
         lo, hi = layout.digester.bounds[1:3]
-        optim: list[Item]
-        params: list[Item]
-        buffers: list[Item]
         if lanes is None:
-            optim, params, buffers = layout.digester.cells(digests, self.detail)  # type: ignore[assignment]
+            optim, params, buffers = layout.digester.cells(digests, self.detail)
             self._last = (step, layout.params.tensors, digests[lo:hi])
         else:
             made: list[list[list[Cell]]] = []
@@ -509,7 +491,7 @@ class TraceRecorder:
 
                 return _Deferred(lanes, make)
 
-            optim, params, buffers = [part(0)], [part(1)], [part(2)]
+            optim, params, buffers = [part(0)], [part(1)], [part(2)]  # type: ignore[list-item]
         return [*layout.optim_leaves.cells(), *scaler, *optim, *layout.param_leaves.cells(), *params, *buffers,
                 *others]
 
