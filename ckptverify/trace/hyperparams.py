@@ -24,11 +24,11 @@ def _on_device(values: list[Any]) -> list[int]:
             if isinstance(v, torch.Tensor) and not is_dtensor(v) and v.numel() == 1 and not _on_host(v)]
 
 
-def _code(v: Any) -> str | None:
-    """How a hyperparameter's value packs: ``q`` (int64), ``d`` (float64), ``None`` (not a number). An integer
-    beyond 64 bits is a :class:`UsageError`, a complex tensor a ``TypeError``."""
+def _code(site: str, v: Any) -> str | None:
+    """How hyperparameter ``site``'s value packs: ``q`` (int64), ``d`` (float64), ``None`` (not a number). An integer
+    beyond 64 bits is a :class:`UsageError` naming ``site``, a complex tensor a ``TypeError``."""
     if isinstance(v, bool | np.bool_ | int | np.integer):
-        Cell.from_int("hparam", "hparam", int(v))
+        Cell.from_int(site, "hparam", int(v))
         return "q"
     if isinstance(v, float | np.floating):
         return "d"
@@ -72,13 +72,13 @@ def _find(prefix: str, optimizers: list[Any]) -> _HparamSpec:
                 if isinstance(value, list) or not isinstance(value, (*_SCALARS, tuple)):
                     comparable = False  # a value that can change in place: no reuse by comparison
                 if isinstance(value, list | tuple):
-                    codes = [_code(v) for v in value]
+                    codes = [_code(f"{head}{g}.{key}.{k}", v) for k, v in enumerate(value)]
                     if value and None not in codes:
                         seqs.append(key)
                         seq_names += [f"{head}{g}.{key}.{k}" for k in range(len(value))]
                         seq_fmt += "".join(codes)  # type: ignore[arg-type]
                     continue
-                code = _code(value)
+                code = _code(f"{head}{g}.{key}", value)
                 if code is not None:
                     keys.append(key)
                     names.append(f"{head}{g}.{key}")
