@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent('''
     for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.int64, torch.bool, torch.float64):
         base = torch.randn(40, 300, generator=gen) * 100
         t = base > 0 if dtype == torch.bool else base.to(dtype)
-        name = kern.dtype_name(dtype)
+        name = ref.dtype_name(dtype)
         seeds = (kern.dtype_seed(name, 0), kern.dtype_seed(name, 1))
         flat_view = kern._INT_VIEW_BY_SIZE[t.element_size()]
         for part, offsets in ((t, [0, 0]), (t[7:29], [7, 0]), (t[3:30, 100:250], [3, 100]),
