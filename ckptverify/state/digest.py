@@ -60,8 +60,17 @@ def _walk(obj: Any, h: Any, buf: bytearray) -> None:
         buf += b"L" + _U64.pack(len(obj))
         for item in obj:
             _walk(item, h, buf)
+    elif kind is dict:
+        _mapping(obj, h, buf)
     else:
         _walk_other(obj, h, buf)
+
+
+def _mapping(obj: Mapping[Any, Any], h: Any, buf: bytearray) -> None:
+    buf += b"D" + _U64.pack(len(obj))
+    for key in sorted(obj, key=str):
+        _walk(str(key), h, buf)
+        _walk(obj[key], h, buf)
 
 
 def _walk_other(obj: Any, h: Any, buf: bytearray) -> None:
@@ -81,10 +90,7 @@ def _walk_other(obj: Any, h: Any, buf: bytearray) -> None:
     elif isinstance(obj, bytes | bytearray):
         buf += b"Y" + _U64.pack(len(obj)) + bytes(obj)
     elif isinstance(obj, Mapping):
-        buf += b"D" + _U64.pack(len(obj))
-        for key in sorted(obj, key=str):
-            _walk(str(key), h, buf)
-            _walk(obj[key], h, buf)
+        _mapping(obj, h, buf)
     elif isinstance(obj, list | tuple):
         _walk(list(obj), h, buf)
     else:
