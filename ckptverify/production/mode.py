@@ -75,14 +75,19 @@ def _say(message: str) -> None:
     print(f"ckptverify: {message}", file=sys.stderr, flush=True)
 
 
-def _move_aside(log: Any, root: str, rel: str, step: int | None, state: str, reason: str) -> None:
-    """Move checkpoint ``rel`` into the quarantine, said on stderr and in ``log``; :class:`CkptVerifyError` (nothing
-    moved) when it cannot be."""
+def _move_aside(log: Any, root: str, rel: str, step: int | None, state: str, reason: str) -> CkptVerifyError | None:
+    """Move checkpoint ``rel`` into the quarantine, said on stderr and in ``log``; the :class:`CkptVerifyError` why
+    it cannot be (nothing moved), else ``None``. Only the move is caught: a log that cannot be written fails as
+    itself."""
     from ckptverify.runs.latest import move_aside
 
-    moved = move_aside(root, rel)
+    try:
+        moved = move_aside(root, rel)
+    except CkptVerifyError as exc:
+        return exc
     _say(f"moved {rel} aside to {moved} ({state}: {reason}); it is kept as it is, never overwritten")
     log.emit("checkpoint-moved-aside", path=rel, to=moved, step=step, state=state, reason=reason)
+    return None
 
 
 def _decide(options: ProductionOptions, refused: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -148,9 +153,8 @@ def _decide(options: ProductionOptions, refused: list[dict[str, Any]] | None = N
             # Skipped ones are newer than the pick: a save of this job may land on them.
             if not is_own_step_dir(s["path"]):
                 continue
-            try:
-                _move_aside(log, root, s["path"], s["step"], s["state"], s["reason"])
-            except CkptVerifyError as exc:  # the job does not start over a checkpoint it cannot keep
+            exc = _move_aside(log, root, s["path"], s["step"], s["state"], s["reason"])
+            if exc is not None:  # the job does not start over a checkpoint it cannot keep
                 return refuse(f"{exc}. The job does not start: a save of it could land on {s['path']}.")
         if found.path is not None:
             newer = f"; {len(found.skipped)} newer skipped" if found.skipped else ""
@@ -351,10 +355,9 @@ class Production:
         if self.rank == 0:
             root = self.options.run_dir
             if os.path.lexists(path):
-                try:
-                    _move_aside(self.events, root, os.path.relpath(path, root), step, "in-the-way",
-                                "something was already at the path of the save of this step")
-                except CkptVerifyError as exc:  # never saved over it: the job stops, as a refused start does
+                exc = _move_aside(self.events, root, os.path.relpath(path, root), step, "in-the-way",
+                                  "something was already at the path of the save of this step")
+                if exc is not None:  # never saved over it: the job stops, as a refused start does
                     _say(f"{exc}. The save of step {step} would write over it: the job stops.")
                     raise SystemExit(2) from None
             suspect = self.replicas.suspect() if self.replicas is not None else None
