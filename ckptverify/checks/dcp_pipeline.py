@@ -314,7 +314,9 @@ class VerificationRun:
         blobs = self._blobs(layout)
         usable = {n: (s if self._opened.get(n) else None) for n, s in stats.items()}
         self._findings.extend(check_items(layout, usable, blobs))
-        bounded = sum(1 for i in layout.items if self._mine(i.file))
+        # A part counts its own files' items; a whole run, every item without a look at each.
+        bounded = len(layout.items) if self._only is None and not self._skip else \
+            sum(1 for i in layout.items if self._mine(i.file))
         self._coverage.append(CheckCoverage(check="item-bounds", count=bounded, unit="items"))
 
     def _blobs(self, layout: Layout) -> dict[str, tuple[int, int]]:
