@@ -26,7 +26,7 @@ from typing import Any
 
 from ckptverify.ownfiles.names import PARTS_PLAN, STAMP_TEMP_PREFIX, write_atomic
 from ckptverify.ownfiles.partsplan import dcp_folders, part_verdict_path, read_json, read_plan
-from ckptverify.runs.stamp import SETTLE_SECONDS
+from ckptverify.runs.stamp import SETTLE_SECONDS, committed, files_fingerprint, removed
 
 __all__ = ["NODE_ENV", "PART_SCHEMA", "PART_TIMEOUT_ENV", "adoption_note", "node_name", "part_job", "part_timeout",
            "stamp_parts_locked"]
@@ -121,7 +121,6 @@ def _one_dcp(root: str) -> bool:
 
 def _committed(root: str) -> bool:
     """Whether the save at ``root`` finished: a committed DCP folder, or a folder whose DCP folders all committed."""
-    from ckptverify.runs.stamp import committed
 
     if committed(root):
         return True
@@ -202,7 +201,6 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     """
     from ckptverify.audit.verify import verify_part
     from ckptverify.findings import Report
-    from ckptverify.runs.stamp import files_fingerprint, removed
     from ckptverify.safeparse.readers import pacing
     from ckptverify.verifier.stamper import GONE, stamp, stamp_locked, unmoved, unreadable
     from ckptverify.verifier.verification import unverified
