@@ -449,13 +449,13 @@ def _agree(errors: list[Finding]) -> list[dict[str, Any]]:
 
 def _restore_point(state: TrainState) -> Any:
     """A function putting ``state`` back as now: model and optimizer tensors from a host copy into the same live
-    tensors, then their structure re-applied; other fields via the state's own snapshot."""
+    tensors, then their structure re-applied; other fields via :meth:`TrainState.fields_restore_point`."""
     import copy
 
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    fields = state._snapshot()
-    model_sd, optim_sd = state._model_optim() if state.model is not None else ({}, {})
+    fields = state.fields_restore_point()
+    model_sd, optim_sd = state.model_optim_state()
     # The structure as it is now, tensors shared (they get their values back in place), everything else copied.
     kept = _containers_copy({"model": model_sd, "optim": optim_sd})
     live = _live_tensors(kept)
@@ -527,7 +527,7 @@ def restore_check(state: TrainState, manifest: Manifest | None) -> tuple[list[Fi
 
         from ckptverify.dcp.loading import flat_names
 
-        model_sd, optim_sd = state._model_optim()
+        model_sd, optim_sd = state.model_optim_state()
         flat = flat_names({"model": model_sd, "optim": optim_sd} if state.optimizers else {"model": model_sd})
         for name in sorted(flat):  # same order on every rank: DTensor fingerprints are collective
             value = flat[name]

@@ -30,7 +30,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ckptverify.errors import UsageError
 from ckptverify.fingerprint.spec import LANES, MASK64, mix
-from ckptverify.state.sampler import Drawn, ResumableSampler, _is_stateful_dataloader
+from ckptverify.state.sampler import Drawn, ResumableSampler, is_stateful_dataloader
 
 __all__ = ["KIND_RESUMABLE_SAMPLER", "KIND_STATEFUL_DATALOADER", "WorkerSeeding", "batch_seed", "check_loader",
            "find_resumable_sampler", "loader_state", "restore_loader"]
@@ -64,7 +64,7 @@ def _kind(loader: Any, refused: str) -> tuple[str, ResumableSampler | None]:
     """What keeps ``loader``'s position, and its :class:`ResumableSampler` if any; :class:`UsageError` starting with
     ``refused`` when nothing does, naming the ways that work (the one way for an IterableDataset)."""
     sampler = find_resumable_sampler(loader)
-    if _is_stateful_dataloader(loader):
+    if is_stateful_dataloader(loader):
         return KIND_STATEFUL_DATALOADER, sampler
     if sampler is not None:
         return KIND_RESUMABLE_SAMPLER, sampler

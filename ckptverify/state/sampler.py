@@ -27,7 +27,8 @@ from torch.utils.data import Sampler
 from ckptverify.errors import UsageError
 from ckptverify.state.distributed import rank_world
 
-__all__ = ["SAMPLER_STATE_VERSION", "Drawn", "ResumableSampler", "epoch_indices", "num_samples_per_replica"]
+__all__ = ["SAMPLER_STATE_VERSION", "Drawn", "ResumableSampler", "epoch_indices", "is_stateful_dataloader",
+           "num_samples_per_replica"]
 
 #: Version of the :meth:`ResumableSampler.state_dict` layout.
 SAMPLER_STATE_VERSION = 1
@@ -85,7 +86,9 @@ def epoch_indices(dataset_len: int, num_replicas: int, rank: int, *, epoch: int,
     return indices[rank:total_size:num_replicas]
 
 
-def _is_stateful_dataloader(obj: Any) -> bool:
+def is_stateful_dataloader(obj: Any) -> bool:
+    """Whether ``obj`` is a torchdata ``StatefulDataLoader`` (``False`` while torchdata is not imported: no such
+    object can exist then)."""
     mod = sys.modules.get("torchdata.stateful_dataloader")
     cls = getattr(mod, "StatefulDataLoader", None) if mod is not None else None
     return cls is not None and isinstance(obj, cls)
@@ -172,7 +175,7 @@ class ResumableSampler(Sampler[int]):
     def track(self, batches: Iterable[_T], batch_size: int | None = None) -> Iterator[_T]:
         """Iterate ``batches`` (a loader over this sampler), counting each batch as consumed when handed out, as
         ``min(batch_size, samples left)``. ``batch_size`` defaults to ``batches.batch_size``."""
-        if _is_stateful_dataloader(batches):
+        if is_stateful_dataloader(batches):
             raise UsageError("do not track a StatefulDataLoader: it snapshots the sampler when it dispatches each "
                              "batch and already accounts for prefetching; iterate it directly")
         size = getattr(batches, "batch_size", None) if batch_size is None else batch_size

@@ -195,7 +195,9 @@ class TrainState:
 
     # ------------------------------------------------------------------ what is saved
 
-    def _model_optim(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def model_optim_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model's and optimizers' state dicts as saved (``get_state_dict``: fully qualified names, live tensors);
+        two empty dicts without a model."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         if self.model is None:
@@ -212,7 +214,7 @@ class TrainState:
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
         if self.dataloader is not None:
-            out["data"] = self._loader_state()
+            out["data"] = self.loader_state()
         for kind, value in rng.items():
             out[f"rng.{kind}"] = value
         for name, obj in self.extras.items():
@@ -227,7 +229,7 @@ class TrainState:
         rng = capture_rng(self.rng.generators)  # first: reading other state may draw from the streams
         fields = self.fields(rng)
         digests = self.digests(fields)
-        model_sd, optim_sd = self._model_optim()
+        model_sd, optim_sd = self.model_optim_state()
         me = rank_key(self.rank)
         sd: dict[str, Any] = {"version": STATE_VERSION, "world_size": self.world_size}
         if self.model is not None:
@@ -255,8 +257,9 @@ class TrainState:
             sd["digests"] = {digest_key: digests}
         return sd
 
-    def _loader_state(self) -> dict[str, Any]:
-        # A loader's state_dict may start an iterator (drawing a seed): reading must not move any stream.
+    def loader_state(self) -> dict[str, Any]:
+        """The data loader's position as saved; every random stream is left as it was (a loader's ``state_dict`` may
+        start an iterator, drawing a seed)."""
         before = capture_rng(self.rng.generators)
         try:
             return loader_state(self.dataloader)
@@ -283,7 +286,7 @@ class TrainState:
         last); on failure the applied fields are put back and :class:`~ckptverify.errors.CkptVerifyError` (or the
         explaining :class:`~ckptverify.errors.UsageError`) is raised, the state unchanged."""
         plan = self._check(sd)
-        undo = self._snapshot()
+        undo = self.fields_restore_point()
         try:
             self._apply(sd, plan)
         except BaseException as exc:
@@ -335,9 +338,9 @@ class TrainState:
             raise CkptVerifyError("this rank's saved field digests are not all strings")
         return {"counters": counters, "loader": loader, "digests": dict(mine)}
 
-    def _snapshot(self) -> Any:
-        """Capture what applying changes outside model and optimizer; return a function putting each part back
-        independently."""
+    def fields_restore_point(self) -> Any:
+        """Capture :meth:`fields` (and what a load records beside them) as they are now; return a function putting
+        each part back independently. Model and optimizer are not covered."""
         rng = capture_rng(self.rng.generators)
         fields = copy.deepcopy(self.fields(rng))
         kept = dict(self.saved_digests), self._restored_rng, list(self.warnings)

@@ -131,7 +131,7 @@ class _StateLayout:
     def __init__(self, state: TrainState, structure: int) -> None:
         from ckptverify.dcp.loading import flat_names
 
-        model_sd, optim_sd = state._model_optim()
+        model_sd, optim_sd = state.model_optim_state()
         optim_flat = flat_names({"optim": optim_sd}) if optim_sd else {}
         param_flat = flat_names({"model": model_sd}) if model_sd else {}
         groups = [g for opt in state.optimizers for g in opt.param_groups]
@@ -217,10 +217,10 @@ def _data_value(state: TrainState) -> Any:
     """``state``'s data position as ``TrainState.fields()`` reads it. A ``ResumableSampler`` gives it without
     starting an iterator, so no random stream needs ``TrainState``'s capture-and-restore guard."""
     from ckptverify.state.dataloader import find_resumable_sampler, loader_state
-    from ckptverify.state.sampler import _is_stateful_dataloader
+    from ckptverify.state.sampler import is_stateful_dataloader
 
     loader = state.dataloader
-    if not _is_stateful_dataloader(loader) and find_resumable_sampler(loader) is not None:
+    if not is_stateful_dataloader(loader) and find_resumable_sampler(loader) is not None:
         return loader_state(loader)
-    return state._loader_state()
+    return state.loader_state()
 

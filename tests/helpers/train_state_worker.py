@@ -55,7 +55,7 @@ def _next_things(training: Any, state: Any, gen: torch.Generator, batches: Any) 
     from ckptverify.dcp.loading import flat_names
     from ckptverify.fingerprint import tensor_fingerprint
 
-    model_sd, optim_sd = state._model_optim()
+    model_sd, optim_sd = state.model_optim_state()
     flat = flat_names({"model": model_sd, "optim": optim_sd})
     out: dict[str, Any] = {"digests": state.digests(),
                            "tensors": {k: tensor_fingerprint(v).value for k, v in sorted(flat.items())

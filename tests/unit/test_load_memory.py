@@ -72,7 +72,7 @@ def _job(width: int) -> ckptverify.TrainState:
 
 
 def _state_bytes(state: ckptverify.TrainState) -> int:
-    model_sd, optim_sd = state._model_optim()
+    model_sd, optim_sd = state.model_optim_state()
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves((model_sd, optim_sd))
                if isinstance(t, torch.Tensor))
 
