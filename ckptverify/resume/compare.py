@@ -43,11 +43,9 @@ class Indices:
 
 @dataclass(frozen=True)
 class StepEvidence:
-    """What differs at ``step`` on ``rank`` among the causes a step starts from (:func:`step_evidence`): ``sites``
-    all that differ there, ``position`` whether the loader's position (``data``) is among them."""
+    """What differs at a rank's first divergent step among the causes a step starts from (:func:`step_evidence`):
+    ``sites`` all that differ there, ``position`` whether the loader's position (``data``) is among them."""
 
-    step: int
-    rank: int
     rng: tuple[SiteDiff, ...] = ()
     hparams_start: tuple[SiteDiff, ...] = ()
     hparams_step: tuple[SiteDiff, ...] = ()
@@ -270,8 +268,7 @@ def step_evidence(comparison: RankComparison, *, first_resumed: bool, restored: 
         a_moved = changed(a, before) if a is not None or b_moved is None else not b_moved
         return SiteDiff(name[len(prefix):], a, b, a_moved=a_moved, b_moved=b_moved)
 
-    return StepEvidence(step=step, rank=comparison.rank,
-                        rng=tuple(stream(n) for n in differing if n.startswith("start.rng.")),
+    return StepEvidence(rng=tuple(stream(n) for n in differing if n.startswith("start.rng.")),
                         hparams_start=tuple(hparam("start.hparam.", n) for n in named("start.hparam.")),
                         hparams_step=tuple(hparam("hparam.", n) for n in named("hparam.")),
                         buffers=tuple(named("buffer.")),

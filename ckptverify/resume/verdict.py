@@ -190,7 +190,7 @@ def _resumed(c: _Case) -> Verdict | None:
     div = c.evidence.resume
     if div is None:
         return None
-    parted = _Parted(c.plan, c.evidence, div, c.evidence.step or StepEvidence(step=div.step, rank=div.rank))
+    parted = _Parted(c.plan, c.evidence, div, c.evidence.step or StepEvidence())
     return replace(causes.first_verdict(PARTED, parted), receivers=receiver_entries(div))
 
 

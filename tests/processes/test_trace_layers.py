@@ -54,7 +54,7 @@ def test_the_verdict_reads_frozen_typed_evidence() -> None:
     from ckptverify.resume.verdict import decide
 
     ev = Evidence(resume=_divergence(4, "batch", "data"),
-                  step=StepEvidence(step=4, rank=0, rng=(SiteDiff("rng.torch_cpu", "a", "b", b_moved=True),)))
+                  step=StepEvidence(rng=(SiteDiff("rng.torch_cpu", "a", "b", b_moved=True),)))
     with pytest.raises(dataclasses.FrozenInstanceError):
         ev.final = ()  # type: ignore[misc]
     v = decide(_plan(), ev)
@@ -64,7 +64,7 @@ def test_the_verdict_reads_frozen_typed_evidence() -> None:
     # Nothing found: a pass, and a stream that moved is not confused with one that did not.
     assert decide(_plan(), Evidence()).kind == "pass"
     still = decide(_plan(), Evidence(resume=_divergence(4, "start.rng.torch_cpu", "rng"),
-                                     step=StepEvidence(step=4, rank=0, rng=(SiteDiff("rng.torch_cpu", "a", "b"),))))
+                                     step=StepEvidence(rng=(SiteDiff("rng.torch_cpu", "a", "b"),))))
     assert still.kind == "rng" and "not restored from the checkpoint" in still.message
     assert "re-seeded" not in still.message
 
@@ -79,7 +79,7 @@ def test_resume_check_and_replay_say_the_same_hyperparameter_cause(a_moved, b_mo
 
     h = SiteDiff("0.lr", 0.1, 0.2, a_moved=a_moved, b_moved=b_moved)
     v = decide(_plan(), Evidence(resume=_divergence(4, "start.hparam.0.lr", "hyperparameters"),
-                                 step=StepEvidence(step=4, rank=0, hparams_start=(h,))))
+                                 step=StepEvidence(hparams_start=(h,))))
     want_kind, text, advice, site = causes.hparam_start_cause(causes.At(causes.RESUME, step=4, saved_at=3), h)
     assert v.kind == want_kind == kind and v.message.startswith(text) and v.advice == advice + "."
     assert v.site == site == "optim.param_groups[0].lr"
