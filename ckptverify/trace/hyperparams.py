@@ -42,7 +42,8 @@ def _code(site: str, v: Any) -> str | None:
 class _HparamSpec:
     """Where each param group's numbers are, found once: per group an ``itemgetter`` of its scalar keys (or
     ``None``), their count and its sequence keys; member names in that order, the ``struct`` format packing them,
-    and their weights."""
+    and their weights. ``convert``: some value is a numpy bool, which ``struct`` does not take, so every value is
+    made an ``int`` or ``float`` before packing (same bits)."""
 
     reads: list[tuple[Any, int, list[str]]]
     names: list[str]
@@ -50,6 +51,7 @@ class _HparamSpec:
     weights: list[int]
     comparable: bool  # no value can change in place: groups compare as a whole
     shape: list[int]  # len() of each group, and the number of optimizers, when found
+    convert: bool
 
 
 def _find(prefix: str, optimizers: list[Any]) -> _HparamSpec:
@@ -59,6 +61,7 @@ def _find(prefix: str, optimizers: list[Any]) -> _HparamSpec:
     names: list[str] = []
     fmt = "<"
     comparable = True
+    convert = False
     for o, opt in enumerate(optimizers):
         head = f"{prefix}{o}." if len(optimizers) > 1 else prefix
         for g, group in enumerate(opt.param_groups):
@@ -77,9 +80,11 @@ def _find(prefix: str, optimizers: list[Any]) -> _HparamSpec:
                         seqs.append(key)
                         seq_names += [f"{head}{g}.{key}.{k}" for k in range(len(value))]
                         seq_fmt += "".join(codes)  # type: ignore[arg-type]
+                        convert = convert or any(isinstance(v, np.bool_) for v in value)
                     continue
                 code = _code(f"{head}{g}.{key}", value)
                 if code is not None:
+                    convert = convert or isinstance(value, np.bool_)
                     keys.append(key)
                     names.append(f"{head}{g}.{key}")
                     fmt += code
@@ -87,7 +92,7 @@ def _find(prefix: str, optimizers: list[Any]) -> _HparamSpec:
             fmt += seq_fmt
             reads.append((operator.itemgetter(*keys) if keys else None, len(keys), seqs))
     return _HparamSpec(reads, names, fmt, [weight(n) for n in names], comparable,
-                       [*(len(g) for opt in optimizers for g in opt.param_groups), len(optimizers)])
+                       [*(len(g) for opt in optimizers for g in opt.param_groups), len(optimizers)], convert)
 
 
 def _values(spec: _HparamSpec, groups: list[Any]) -> list[Any]:
@@ -103,10 +108,10 @@ def _values(spec: _HparamSpec, groups: list[Any]) -> list[Any]:
     return values
 
 
-def _lanes(spec: _HparamSpec, values: list[Any], convert: bool = False) -> tuple[list[int], list[str]]:
-    """Each value's 64 bits (lane 0 of its cell) and encoding, packed in one ``struct`` call; ``convert`` (a spec
-    found from these values): made numbers first, as ``struct`` takes no numpy bool."""
-    if convert:
+def _lanes(spec: _HparamSpec, values: list[Any]) -> tuple[list[int], list[str]]:
+    """Each value's 64 bits (lane 0 of its cell) and encoding, packed in one ``struct`` call (made numbers first
+    where ``spec.convert``)."""
+    if spec.convert:
         values = [int(v) if k == "q" else float(v) for k, v in zip(spec.fmt[1:], values, strict=True)]
     packed = struct.pack(spec.fmt, *values)
     return list(struct.unpack(f"<{len(packed) // 8}Q", packed)), ["f64" if k == "d" else "i64" for k in spec.fmt[1:]]
@@ -117,7 +122,7 @@ def hparam_cells(prefix: str, optimizers: list[Any]) -> list[Cell]:
     the recorder records them at detail ``tensor``. Non-numbers (``None``, strings) are left out, and so is a
     sequence not all numbers: what drives a step's arithmetic is numeric."""
     spec = _find(prefix, optimizers)
-    lows, encodings = _lanes(spec, _values(spec, [g for opt in optimizers for g in opt.param_groups]), True)
+    lows, encodings = _lanes(spec, _values(spec, [g for opt in optimizers for g in opt.param_groups]))
     return [Cell(n, "hparam", (b, 0), e) for n, b, e in zip(spec.names, lows, encodings, strict=True)]
 
 
@@ -154,23 +159,23 @@ class _HparamCells:
             values = _values(spec, groups)
             on_device = _on_device(values)
             if on_device:
-                return [self._later(values, on_device, spec, fresh)]
-            return self._packed(spec, values, fresh)
+                return [self._later(values, on_device, spec)]
+            return self._packed(spec, values)
         except (struct.error, KeyError, IndexError, TypeError):
             if fresh:
                 raise
             self._spec = None  # the groups changed types: find the entries again
             return self._make(optimizers, groups)
 
-    def _packed(self, spec: _HparamSpec, values: list[Any], convert: bool) -> list[Cell]:
+    def _packed(self, spec: _HparamSpec, values: list[Any]) -> list[Cell]:
         """The cells of ``values``, packed by ``spec`` (see :func:`_lanes`): each member's value is its 64 bits."""
         if not spec.names:
             return []
-        lows, encodings = _lanes(spec, values, convert)
+        lows, encodings = _lanes(spec, values)
         return _category_cells(f"{self.prefix}*", "hparam", spec.names, spec.weights, encodings, lows, self.detail,
                                lanes=lambda b: (b, 0))
 
-    def _later(self, values: list[Any], on_device: list[int], spec: _HparamSpec, convert: bool) -> Item:
+    def _later(self, values: list[Any], on_device: list[int], spec: _HparamSpec) -> Item:
         """:meth:`_make` when some hyperparameters are device tensors (a ``capturable`` optimizer's lr): those are
         widened to float64 there, exactly as ``float(tensor)``, and read back with the step."""
         import torch
@@ -182,6 +187,6 @@ class _HparamCells:
             filled = list(kept)
             for i, b in zip(on_device, read, strict=True):
                 filled[i] = bits_float(b)
-            return self._packed(spec, filled, convert)
+            return self._packed(spec, filled)
 
         return _Deferred(bits, make)

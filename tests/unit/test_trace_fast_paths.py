@@ -49,6 +49,27 @@ def test_metric_shortcuts_make_the_general_cell(value: Any) -> None:
     assert got == _metric_cell("m", value)
 
 
+def test_hyperparameters_with_a_numpy_bool_keep_their_spec_while_the_groups_change(monkeypatch) -> None:
+    import ckptverify.trace.hyperparams as hp
+
+    found = []
+    find = hp._find
+    monkeypatch.setattr(hp, "_find", lambda *a: found.append(1) or find(*a))
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, momentum=0.9)
+    group = opt.param_groups[0]
+    group["nesterov"], group["betas"] = np.bool_(False), (np.bool_(True), 0.5)
+    cells = hp._HparamCells("hparam.", "tensor")
+    made = []
+    for step in range(5):
+        group["lr"] = 0.1 / (step + 1)  # as a scheduler's step: the groups change
+        before = len(found)
+        got = cells([opt])
+        made.append(len(found) - before)
+        assert got == hp._HparamCells("hparam.", "tensor")([opt])  # a spec found from these values
+        assert next(c for c in got if c.site == "hparam.0.nesterov").lanes == (0, 0)
+    assert made == [1, 0, 0, 0, 0]  # found once, then reused
+
+
 def test_store_grows_its_arrays_a_few_times_a_run(tmp_path: Path) -> None:
     header = TraceHeader(run="r", level="metrics", rank=0, world_size=1)
     writer = TraceWriter(tmp_path / "s", header=header, flush_every=4, site_chunk=2, background=False)
