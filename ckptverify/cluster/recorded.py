@@ -126,6 +126,8 @@ class Recorded(UnitExecutor):
         those scanned here; a tensor subclass is scanned where it is stored, never shared (:meth:`describe`)."""
         from ckptverify.checks.deep import TensorScan
 
+        shared = super().tensor_map(run)
+
         def recorded(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
             units = [payload_unit(x[0].name, x[0].shape, x[1]) if isinstance(x, tuple) else ["subclass", x.name]
                      for x in items]
@@ -135,9 +137,7 @@ class Recorded(UnitExecutor):
             for n in other:
                 if units[n][0] == "payload":
                     self._missing(run, units[n])
-            raw = [n for n in rest if is_raw(items[n])]
-            got = {n: TensorScan.from_json(value) for n, value in self._read_here(run, units, raw).items()}
-            got.update(zip(other, run.map(fn, [items[n] for n in other]), strict=True))
+            got = dict(zip(rest, shared(fn, [items[n] for n in rest]), strict=True))
             self.records += [[units[n], got[n].to_json()] for n in other]
             return [got[n] if n in got else TensorScan.from_json(self._known[k]) for n, k in enumerate(keys)]
 
