@@ -362,6 +362,8 @@ def _rejudged(path: str, jobs: int | None, skip: frozenset[str], records: dict[s
         if _one_dcp(path):
             findings, coverage = judged("", judges)
             return Report(command="verify", target=path, findings=tuple(findings), coverage=(coverage,))
+        # Read again: the deep check keeps the scans of a folder's own files inside their verification
+        # (judge_described), so only verifying them again judges them against the manifest written.
         top, _ = verify_folder_files(path, deep=True, use_manifest=written)
         out = [f for f in top.findings if f.check != FINGERPRINT_ADVICE]
         cover = list(top.coverage)
