@@ -88,6 +88,12 @@ def _key(unit: Unit) -> str:
     return json.dumps(unit, sort_keys=True)
 
 
+def _unit(item: Any) -> Unit:
+    """The unit of a :func:`~ckptverify.checks.deep.scan_description` item: a piece ``(tensor, payload)`` or a tensor
+    subclass."""
+    return payload_unit(item[0].name, item[0].shape, item[1]) if isinstance(item, tuple) else ["subclass", item.name]
+
+
 class Recorded(UnitExecutor):
     """An executor that answers units from ``records`` and reads (and records) the others here, through the run's
     files. A unit of a file the run did not open that no record answers raises
@@ -97,6 +103,8 @@ class Recorded(UnitExecutor):
         self.records = records
         self._given = len(records)
         self._known = {_key(u): r for u, r in records}
+        #: The run whose tensors :meth:`tensor_map` scanned, for :meth:`judge`.
+        self.run: Any = None
 
     def scanned_here(self) -> list[Record]:
         """The records of the tensor pieces scanned here (``payload`` units): handed to a later run over the same files
@@ -126,29 +134,43 @@ class Recorded(UnitExecutor):
         those scanned here; a tensor subclass is scanned where it is stored, never shared (:meth:`describe`)."""
         from ckptverify.checks.deep import TensorScan
 
+        self.run = run
+        shared = super().tensor_map(run)
+
         def recorded(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
-            units = [payload_unit(x[0].name, x[0].shape, x[1]) if isinstance(x, tuple) else ["subclass", x.name]
-                     for x in items]
+            units = [_unit(x) for x in items]
             keys = [_key(u) for u in units]
             rest = [n for n, k in enumerate(keys) if k not in self._known]
             other = [n for n in rest if not is_raw(items[n])]  # rebuilt here; raw pieces are read as units
             for n in other:
                 if units[n][0] == "payload":
                     self._missing(run, units[n])
-            raw = [n for n in rest if is_raw(items[n])]
-            got = {n: TensorScan.from_json(value) for n, value in self._read_here(run, units, raw).items()}
-            got.update(zip(other, run.map(fn, [items[n] for n in other]), strict=True))
+            got = dict(zip(rest, shared(fn, [items[n] for n in rest]), strict=True))
             self.records += [[units[n], got[n].to_json()] for n in other]
             return [got[n] if n in got else TensorScan.from_json(self._known[k]) for n, k in enumerate(keys)]
 
         return recorded
 
+    def judge(self, manifest: Any) -> tuple[list[Any], int]:
+        """:func:`~ckptverify.checks.deep.judge_scans` against ``manifest`` of the tensors :attr:`run` scanned through
+        this executor (its description and scans again, every piece answered from the records: none read again).
+        Raises ``LookupError`` (no tensors scanned, or a scan cut short) when they cannot all be answered."""
+        from ckptverify.checks.deep import TensorScan, judge_scans, scan_description
+
+        if self.run is None:
+            raise LookupError("no tensors were scanned through this executor")
+        desc = self.run.description()
+        known = {_key(u): r for u, r in self.records}
+        scans, found = scan_description(desc, lambda _, items: [TensorScan.from_json(known[_key(_unit(x))])
+                                                                for x in items])
+        return judge_scans(desc, manifest, scans, found)
+
     def describe(self, desc: Any, files: frozenset[str]) -> None:
-        """Add to ``desc`` what the records describe of ``files`` (not opened here): the files, their items, the tensor
-        pieces in them and those that could not be read."""
+        """Add to ``desc`` what the records it was given describe of ``files`` (not opened here): the files, their
+        items, the tensor pieces in them and those that could not be read."""
         from ckptverify.formats.describe import Payload, StoredRange
 
-        for unit, result in self.records:
+        for unit, result in self.records[:self._given]:
             kind, name = unit[0], unit[1] if len(unit) > 1 else None
             tensor = desc.tensors.get(name) if isinstance(name, str) else None
             if kind == "subclass":

@@ -10,7 +10,8 @@ plan. The coordinator checks the whole checkpoint and its node's files, waits fo
 write, parts bring the adoption's work units with their results and the coordinator adopts as one process does
 (:func:`_adopt`); with ``deep``, their tensor pieces' scans, and the coordinator verifies deeply as one process does
 (:func:`_deep`): both with :class:`~ckptverify.cluster.recorded.Recorded` as executor, which also carries the scans
-of the coordinator's own DCP tensor pieces from one of these runs to the next: each is scanned once.
+of the coordinator's own DCP tensor pieces from one of these runs to the next: each is scanned once. Judged before
+the adoption, the deep check's scans are judged again against the manifest written (:func:`_rejudged`), not read.
 """
 
 from __future__ import annotations
@@ -216,6 +217,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     other_files = frozenset(f for n in others for f in n["files"])
     records: dict[str, list[Any]] = {}  # the parts' deep records, by DCP folder ("" for the checkpoint itself)
     scanned: dict[str, list[Any]] = {}  # this node's tensor pieces as scanned here, by DCP folder: scanned once
+    judges = None  # the deep check's executors, by DCP folder: they judge its scans again (_rejudged)
     try:
         before = files_fingerprint(path)
         mine = None
@@ -260,7 +262,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             reports.append((data, report))
         if deep and adopt is not True:
             with pacing(throttle):
-                mine = _deep(path, jobs, other_files, records, True, scanned)
+                mine, judges = _deep(path, jobs, other_files, records, True, scanned)
     except OSError as exc:
         return unreadable(path, step, exc)
     merged = parts = None
@@ -274,7 +276,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
                 adopted, note, written = _adopt(path, jobs, reports, scanned, read_all=adopt is True)
                 if deep:  # judged against the manifest just written from the parts, or none: an older one left
                     # in the folder no longer describes it
-                    adopted = _judged(adopted, _deep(path, jobs, other_files, records, written, scanned))
+                    adopted = _judged(adopted, _rejudged(path, jobs, other_files, records, written, scanned, judges))
         except OSError as exc:
             return unreadable(path, step, exc)
         if notes is not None:
@@ -315,21 +317,66 @@ def _part_records(path: str, data: Any, files: list[str] | frozenset[str],
 
 
 def _deep(path: str, jobs: int | None, skip: frozenset[str], records: dict[str, list[Any]],
-          use_manifest: bool, scanned: dict[str, list[Any]]) -> Any:
+          use_manifest: bool, scanned: dict[str, list[Any]]) -> tuple[Any, dict[str, Any] | None]:
     """The deep verification of the whole checkpoint and this node's files, the ``skip`` files' tensor pieces answered
     from their parts' ``records`` (by DCP folder) and this node's from ``scanned``, to which those scanned here are
-    added: a later judgement (against the manifest just written) scans none of them again. Every piece read here when
-    they cannot be merged (a piece no part brought, a tensor subclass stored on another node)."""
+    added: the adoption scans none of them again. Every piece read here when they cannot be merged (a piece no part
+    brought, a tensor subclass stored on another node). Returns the report and, unless read so, its executors by DCP
+    folder (each DCP folder has one), which judge its scans again (:func:`_rejudged`)."""
     from ckptverify.audit.verify import verify_part
 
-    executors = _executors(records, scanned)
+    executors = _executors({sub: records.get(sub, []) for sub in {*dcp_folders(path), *records}}, scanned)
     try:
         report = verify_part(path, jobs=jobs or 1, skip=skip, deep=True, use_manifest=use_manifest,
                              executors=executors)
     except ValueError:
-        return verify_part(path, jobs=jobs or 1, deep=True, use_manifest=use_manifest)
+        return verify_part(path, jobs=jobs or 1, deep=True, use_manifest=use_manifest), None
     _keep_scans(executors, scanned)
-    return report
+    return report, executors
+
+
+def _rejudged(path: str, jobs: int | None, skip: frozenset[str], records: dict[str, list[Any]], written: bool,
+              scanned: dict[str, list[Any]], judges: dict[str, Any] | None) -> Any:
+    """The deep check (its findings and ``fingerprint`` coverage) against the manifest just ``written``, or none:
+    each DCP folder's description and scans of :func:`_deep` judged again through its executor in ``judges``
+    (:meth:`~ckptverify.cluster.recorded.Recorded.judge`), none of their bytes read again. A folder's own files are
+    verified deeply again: their scans stay inside their verification
+    (:func:`~ckptverify.audit.verify.verify_folder_files`). The deep verification is run here when there is nothing to
+    judge again: no deep check before the adoption (``adopt=True``), pieces read whole, or a DCP folder whose scan did
+    not finish."""
+    from ckptverify.audit.verify import FINGERPRINT_ADVICE, _under, verify_folder_files
+    from ckptverify.checks.dcp_pipeline import cap_findings
+    from ckptverify.errors import ManifestError
+    from ckptverify.findings import CheckCoverage, Report, merge_coverage
+    from ckptverify.ownfiles.manifest import read_manifest
+
+    def judged(sub: str, judges: dict[str, Any]) -> tuple[list[Any], CheckCoverage]:  # as its deep verification
+        manifest = None
+        if written:
+            with contextlib.suppress(ManifestError):  # unreadable: judged against none, as it reads it
+                manifest = read_manifest(os.path.join(path, sub))
+        found, rebuilt = judges[sub].judge(manifest)
+        return cap_findings(found), CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors")
+
+    def again(judges: dict[str, Any]) -> Any:
+        if _one_dcp(path):
+            findings, coverage = judged("", judges)
+            return Report(command="verify", target=path, findings=tuple(findings), coverage=(coverage,))
+        # Read again: the deep check keeps the scans of a folder's own files inside their verification
+        # (judge_described), so only verifying them again judges them against the manifest written.
+        top, _ = verify_folder_files(path, deep=True, use_manifest=written)
+        out = [f for f in top.findings if f.check != FINGERPRINT_ADVICE]
+        cover = list(top.coverage)
+        for sub in top.stats["parts"]:
+            findings, coverage = judged(sub, judges)
+            out += _under(sub, findings)
+            cover.append(coverage)
+        return Report(command="verify", target=path, findings=tuple(cap_findings(out)), coverage=merge_coverage(cover))
+
+    if judges is not None:
+        with contextlib.suppress(LookupError):  # a DCP folder without its scan whole: verified deeply below
+            return again(judges)
+    return _deep(path, jobs, skip, records, written, scanned)[0]
 
 
 def _executors(records: dict[str, list[Any]], scanned: dict[str, list[Any]]) -> dict[str, Any]:
@@ -349,7 +396,7 @@ def _keep_scans(executors: dict[str, Any], scanned: dict[str, list[Any]]) -> Non
 
 def _judged(adopted: Any, deep: Any) -> Any:
     """The adoption's report with the deep check's findings (each once) and tensors rebuilt from ``deep``
-    (:func:`_deep`, which also judged a folder's top-level files)."""
+    (:func:`_rejudged`, which also judged a folder's top-level files)."""
     from ckptverify.checks.deep import CHECKS
     from ckptverify.findings import Report
 

@@ -882,10 +882,33 @@ def scanned_pieces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, int]
     return seen
 
 
+@pytest.fixture
+def byte_passes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, int, int]]:
+    """Every byte range read by a verification's passes over the bytes, here or as a work unit, as (pass, path, start,
+    end): ``crc`` (CRC-32 of records) and ``blocks`` (block digests against a manifest, ``hash_task``)."""
+    from ckptverify.checks import manifest_check
+
+    seen: list[tuple[str, str, int, int]] = []
+    hash_task, crc32 = manifest_check.hash_task, readers.ReadOnlyFile.crc32
+
+    def blocks(f: Any, task: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(("blocks", f.path, task.start, task.end))
+        return hash_task(f, task, *args, **kwargs)
+
+    def crc(f: Any, start: int, end: int) -> Any:
+        seen.append(("crc", f.path, start, end))
+        return crc32(f, start, end)
+
+    monkeypatch.setattr(manifest_check, "hash_task", blocks)
+    monkeypatch.setattr(readers.ReadOnlyFile, "crc32", crc)
+    return seen
+
+
 @pytest.mark.parametrize(("layout", "fingerprint"), [("dcp", "auto"), ("dcp", True), ("folder", "auto"),
                                                      ("folder", True)])
 def test_a_deep_check_fingerprinted_in_parts_scans_each_of_the_coordinator_s_pieces_once(
-        tmp_path: Path, scanned_pieces: list[tuple[str, str, int]], layout: str, fingerprint: Any) -> None:
+        tmp_path: Path, scanned_pieces: list[tuple[str, str, int]], byte_passes: list[tuple[str, str, int, int]],
+        layout: str, fingerprint: Any) -> None:
     import shutil
     from collections import Counter
 
@@ -916,6 +939,7 @@ def test_a_deep_check_fingerprinted_in_parts_scans_each_of_the_coordinator_s_pie
             os.unlink(os.path.join(alone, name))
     assert parts_mod.part_job(path, 1, wait_s=0)["written"]
     scanned_pieces.clear()
+    byte_passes.clear()
     out = saved_job(path, 5, fingerprint, 1, True, 0.0, parts=True)
     assert out["event"] == "checkpoint-verified" and out["extra"]["fingerprint"].startswith("manifest written"), out
     # Judged against the former manifest (none here) when "auto", adopted, judged against the manifest written:
@@ -923,6 +947,13 @@ def test_a_deep_check_fingerprinted_in_parts_scans_each_of_the_coordinator_s_pie
     shards = Counter((name, file, offset) for name, file, offset in scanned_pieces if file.endswith(".distcp"))
     assert {file for _, file, _ in shards} == {n.rpartition("/")[2] for n in nodes[0]}
     assert set(shards.values()) == {1}, shards
+    # Its bytes go through each pass once per verification: the deep check's and the adoption's own. Judged before
+    # the adoption ("auto"), the manifest written judges the same scans and reads nothing again: no block of it is
+    # digested against that manifest (True: the deep check runs once, after the adoption).
+    passes = Counter(r for r in byte_passes if r[1].endswith(".distcp"))
+    assert {p[1] for p in passes} <= {os.path.join(path, n) for n in nodes[0]}, passes
+    assert max((n for p, n in passes.items() if p[0] == "crc"), default=0) <= 2, passes
+    assert {n for p, n in passes.items() if p[0] == "blocks"} == ({1} if fingerprint is True else set()), passes
     # The manifest one process writes, and the deep check one process makes with it.
     assert fingerprint_checkpoint(alone, force=True, trust_uncheckable=True)[1] is not None
     want = _manifests(alone)
