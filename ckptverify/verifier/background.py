@@ -34,9 +34,9 @@ from ckptverify.ownfiles.events import EventLog
 from ckptverify.ownfiles.partsplan import nodes_of
 from ckptverify.runs.stamp import SETTLE_SECONDS, read_stamp
 from ckptverify.state.distributed import Group, rank_world
-from ckptverify.verifier.jobs import STAMP, VERIFY_PART, job_function, run_job
-from ckptverify.verifier.parts import node_name, stamp_parts_locked
-from ckptverify.verifier.stamper import VerifyingLock, stamp_locked
+from ckptverify.verifier.jobs import STAMP, VERIFY_PART, job_function, run_job, stamp_save
+from ckptverify.verifier.parts import node_name
+from ckptverify.verifier.stamper import VerifyingLock
 from ckptverify.verifier.throttle import IdleProbe, Throttle, env_number, throttle_enabled
 from ckptverify.verifier.verification import Verification, event_of, from_stamp, unverified
 from ckptverify.verifier.worker import PRIORITIES, VerifierProcess, lower_priority, restore_priority
@@ -364,9 +364,8 @@ class BackgroundVerifier:
                     throttle.lift()
                 self._throttle_now = throttle
         try:
-            verify = stamp_parts_locked if job.parts else stamp_locked
-            return verify(job.path, step=job.step, jobs=jobs, deep=job.options.verify.deep, settle=self.settle,
-                          throttle=throttle)
+            return stamp_save(job.path, step=job.step, jobs=jobs, deep=job.options.verify.deep, settle=self.settle,
+                              parts=job.parts, throttle=throttle)
         finally:
             if throttle is not None:
                 with self._cond:
