@@ -195,8 +195,8 @@ def _verify_file(path: str, started: float, deep: bool = False, use_manifest: bo
     from ckptverify.checks.single import check_file
 
     found, coverage, facts = check_file(path, root=os.path.dirname(os.path.abspath(path)))
-    report = _judged(path, found, coverage, facts.get("description"), started, deep, use_manifest, 1,
-                     facts.get("bytes", 0), facts.get("format"), tensors=len(facts.get("tensors", {})))
+    report = _judged(path, found, coverage, facts, started, deep, use_manifest, files=1, bytes=facts.get("bytes", 0),
+                     format=facts.get("format"), tensors=len(facts.get("tensors", {})))
     return dataclasses.replace(report, findings=tuple(cap_findings(report.findings)))
 
 
@@ -209,22 +209,23 @@ def verify_folder_files(root: str | os.PathLike[str], *, deep: bool = False,
     started = time.perf_counter()
     path = os.fspath(root)
     found, coverage, facts = check_folder(path)
-    return _judged(path, found, coverage, facts["description"], started, deep, use_manifest, len(facts["files"]),
-                   facts.get("bytes", 0), "folder", parts=facts["dcp_parts"]), sorted(facts["files"])
+    return _judged(path, found, coverage, facts, started, deep, use_manifest, files=len(facts["files"]),
+                   bytes=facts.get("bytes", 0), format="folder", parts=facts["dcp_parts"]), sorted(facts["files"])
 
 
-def _judged(path: str, found: list[Finding], coverage: list[Any], described: Any, started: float, deep: bool,
-            use_manifest: bool, files: int, nbytes: int, fmt: Any, **more: Any) -> Report:
-    """The report on a file or folder of files after its content checks (``found``, ``coverage``): its manifests' and
-    deep stages (:func:`~ckptverify.checks.described.judge_described`, from the reads ``described``) added."""
+def _judged(path: str, found: list[Finding], coverage: list[Any], facts: dict[str, Any], started: float, deep: bool,
+            use_manifest: bool, **counted: Any) -> Report:
+    """The report on a file or folder of files after its content checks (``found``, ``coverage``, ``facts``): its
+    manifests' and deep stages (:func:`~ckptverify.checks.described.judge_described`, from the reads
+    ``facts["description"]``) added; ``counted`` as :func:`_stats` takes it."""
     from ckptverify.checks.described import judge_described
 
     findings, added, with_manifest = judge_described(path, found, deep=deep, use_manifest=use_manifest,
-                                                     described=described)
+                                                     described=facts.get("description"))
     if use_manifest:
         findings.extend(_fingerprint_advice(path, findings, with_manifest))
     return Report(command="verify", target=path, findings=tuple(findings), coverage=merge_coverage(
-        [*coverage, *added]), stats=_stats(started, files, nbytes, fmt, with_manifest, deep, **more))
+        [*coverage, *added]), stats=_stats(started, with_manifest, deep, **counted))
 
 
 def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, started: float,
@@ -252,20 +253,22 @@ def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, 
         with_manifest = with_manifest and bool(sub.stats.get("manifest"))
     if use_manifest:
         findings.extend(_fingerprint_advice(root, findings, with_manifest))
-    stats = _stats(started, files.stats["files"], total, "folder", with_manifest, deep, parts=files.stats["parts"])
+    stats = _stats(started, with_manifest, deep, files=files.stats["files"], bytes=total, format="folder",
+                   parts=files.stats["parts"])
     if skip is not None:
         stats["opened"] = sorted(opened)
     return Report(command="verify", target=root, findings=tuple(cap_findings(findings)),
                   coverage=merge_coverage(cover), stats=stats)
 
 
-def _stats(started: float, files: int, nbytes: int, fmt: Any, with_manifest: bool, deep: bool,
-           **more: Any) -> dict[str, Any]:
-    """A report's ``stats`` of a file or folder verification begun at ``started`` (``more`` after ``format``)."""
+def _stats(started: float, with_manifest: bool, deep: bool, **counted: Any) -> dict[str, Any]:
+    """A report's ``stats`` of a file or folder verification begun at ``started``: ``counted`` (``files``, ``bytes``,
+    ``format``, then any more, in that order) with the throughput after ``bytes``."""
     seconds = time.perf_counter() - started
+    files, nbytes = counted.pop("files"), counted.pop("bytes")
     return {"seconds": round(seconds, 6), "files": files, "bytes": nbytes,
-            "throughput_bytes_per_s": round(nbytes / seconds) if nbytes and seconds > 0 else None, "format": fmt,
-            **more, "manifest": with_manifest, "deep": deep}
+            "throughput_bytes_per_s": round(nbytes / seconds) if nbytes and seconds > 0 else None, **counted,
+            "manifest": with_manifest, "deep": deep}
 
 
 #: The advice that ``fingerprint`` would protect content nothing can check now.

@@ -342,11 +342,10 @@ def _consistency(item: Item, archive: Archive, header: TensorHeader | SubclassHe
         out = _metadata_mismatch(item, header, record, f"{header.dtype} values", "a tensor")
         return out + storage_findings(archive, header.storage_key, [header],
                                       lambda: (item_label(item), item_location(item, record=record)))
-    loc = item_location(item, record=record)
     out = _metadata_mismatch(item, header, record, f"a {header.short_name} of {header.dtype}", f"a {header.short_name}")
     for name, part in header.parts:
-        who = f"{item_label(item)}: the {name!r} part of its {header.short_name}"
-        out.extend(storage_findings(archive, part.storage_key, [part], lambda who=who: (who, loc)))
+        out.extend(storage_findings(archive, part.storage_key, [part], lambda name=name: (
+            f"{item_label(item)}: the {name!r} part of its {header.short_name}", item_location(item, record=record))))
     return out
 
 
@@ -373,7 +372,7 @@ def storage_findings(archive: Archive, key: str, views: list[TensorHeader],
                      at: Callable[[], tuple[str, Location]]) -> list[Finding]:
     """The ``tensor-record`` errors of storage ``key`` of ``archive`` and the tensors ``views`` onto it: its record is
     missing, holds other than the elements the pickle records, or a view reaches past it. ``at``: what names the
-    tensors in a message, and where (asked only for an error)."""
+    tensors in a message, and where; asked only for an error, so every caller builds both inside it."""
     rec = archive.record(f"data/{key}")
     if rec is None:
         who, where = at()

@@ -100,12 +100,14 @@ def _check_torchsave(f: ReadOnlyFile, label: str, facts: dict[str, Any],
             if part is not None:
                 holds.setdefault(ref.storage_key, f"the {part!r} part of tensor {tname!r}, a "
                                                   f"{scan.subclasses[tname].short_name}")
-        for key in scan.storages:
+
+        def named(key: str) -> tuple[str, Location]:  # built only for an error: a file can hold 100 000 storages
             names = owners.get(key, [])
             who = f"{label}: " + (holds.get(key) or (f"tensor {names[0]!r}" if names else f"storage {key!r}"))
-            where = Location(file=label, fqn=", ".join(names[:3]) or None, record=f"{archive.prefix}/data/{key}")
-            findings.extend(storage_findings(archive, key, views.get(key, []),
-                                             lambda who=who, where=where: (who, where)))
+            return who, Location(file=label, fqn=", ".join(names[:3]) or None, record=f"{archive.prefix}/data/{key}")
+
+        for key in scan.storages:
+            findings.extend(storage_findings(archive, key, views.get(key, []), functools.partial(named, key)))
         coverage.append(CheckCoverage(check="tensor-record", count=len(facts["tensors"]), unit="tensors"))
         if scan.opaque:
             findings.append(info("pickle-opaque", f"{label}: objects of {len(scan.opaque)} type(s) outside the "

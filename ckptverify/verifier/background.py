@@ -34,9 +34,9 @@ from ckptverify.ownfiles.events import EventLog
 from ckptverify.ownfiles.partsplan import nodes_of
 from ckptverify.runs.stamp import SETTLE_SECONDS, read_stamp
 from ckptverify.state.distributed import Group, rank_world
-from ckptverify.verifier.jobs import STAMP, VERIFY_PART, job_function, run_job
-from ckptverify.verifier.parts import node_name, stamp_parts_locked
-from ckptverify.verifier.stamper import VerifyingLock, stamp_locked
+from ckptverify.verifier.jobs import STAMP, VERIFY_PART, job_function, run_job, stamp_save
+from ckptverify.verifier.parts import node_name
+from ckptverify.verifier.stamper import VerifyingLock
 from ckptverify.verifier.throttle import IdleProbe, Throttle, env_number, throttle_enabled
 from ckptverify.verifier.verification import Verification, event_of, from_stamp, unverified
 from ckptverify.verifier.worker import PRIORITIES, VerifierProcess, lower_priority, restore_priority
@@ -296,14 +296,15 @@ class BackgroundVerifier:
         """Verify ``job`` (or run its task), then report the result: a task's to its ``done``. The worker never dies:
         a failure is a result without a verdict."""
         task = job.task
-        result: Any = None
-        why: str | None = None
         try:
             result = self._locked(job, jobs, background)
-        except Exception as exc:
-            why = str(exc) if task is not None and isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # worded as the verifier process words a job's: "Type: message"
+            result = _NoResult(f"{type(exc).__name__}: {exc}")
         finally:
             job.lock.release()
+        why = result.why if isinstance(result, _NoResult) else None
+        if why is not None:
+            result = None
         try:
             if task is not None:
                 _guarded(f"reporting the verification of {job.path}", task.done, result, why)
@@ -323,8 +324,8 @@ class BackgroundVerifier:
                 self._cond.notify_all()
 
     def _locked(self, job: _Job, jobs: int | None, background: bool) -> Any:
-        """``job``'s verification (or its task's result), its verifying lock held (waiting while ``watch`` holds it);
-        the caller releases it."""
+        """``job``'s verification (or its task's result, or a :class:`_NoResult`), its verifying lock held (waiting
+        while ``watch`` holds it); the caller releases it."""
         task = job.task
         if task is None or task.locked:
             waited = not job.lock.held
@@ -332,10 +333,8 @@ class BackgroundVerifier:
                 try:
                     if job.lock.acquire():
                         break
-                except OSError:  # the checkpoint is gone (a task's why is the message of a RuntimeError)
-                    if task is not None:
-                        raise RuntimeError(REMOVED) from None
-                    return _unverified(job, "deleted", REMOVED)
+                except OSError:  # the checkpoint is gone
+                    return _NoResult(REMOVED) if task is not None else _unverified(job, "deleted", REMOVED)
                 time.sleep(_LOCK_POLL_SECONDS)
             if task is None and waited:
                 # Someone else (``ckptverify watch``) verified it meanwhile: their current stamp stands.
@@ -345,19 +344,18 @@ class BackgroundVerifier:
                     return from_stamp(job.path, job.step, stamp.data)
         if self.before_verify is not None:
             self.before_verify(job.path)
-        child = background and self.isolation == "process"
-        if task is not None:
-            if child:
-                return self._child.run(task.job, task.args, throttle=self._throttled, urgent=self._urgent)
-            return run_job(task.job, task.args)
-        if child:
-            args = {"path": job.path, "step": job.step, "deep": job.options.verify.deep, "jobs": jobs or 1,
-                    "settle": self.settle, "parts": job.parts}
+        if background and self.isolation == "process":
+            args = task.args if task is not None else {"path": job.path, "step": job.step, "jobs": jobs or 1,
+                                                       "deep": job.options.verify.deep, "settle": self.settle,
+                                                       "parts": job.parts}
             try:
-                return Verification.from_dict(self._child.run(STAMP, args, throttle=self._throttled,
-                                                              urgent=self._urgent))
-            except (RuntimeError, TypeError) as exc:  # TypeError: an answer that is not a verification
-                return _unverified(job, "error", str(exc))
+                answer = self._child.run(STAMP if task is None else task.job, args, throttle=self._throttled,
+                                         urgent=self._urgent)
+            except RuntimeError as exc:  # the job's own "Type: message", or why the process gave no answer
+                return _NoResult(str(exc))
+            return answer if task is not None else Verification.from_dict(answer)
+        if task is not None:
+            return run_job(task.job, task.args)
         probe = IdleProbe.open() if background and self.throttle and jobs == 1 else None  # this thread's reads
         throttle = None if probe is None else Throttle(probe)
         if throttle is not None:
@@ -366,9 +364,8 @@ class BackgroundVerifier:
                     throttle.lift()
                 self._throttle_now = throttle
         try:
-            verify = stamp_parts_locked if job.parts else stamp_locked
-            return verify(job.path, step=job.step, jobs=jobs, deep=job.options.verify.deep, settle=self.settle,
-                          throttle=throttle)
+            return stamp_save(job.path, step=job.step, jobs=jobs, deep=job.options.verify.deep, settle=self.settle,
+                              parts=job.parts, throttle=throttle)
         finally:
             if throttle is not None:
                 with self._cond:
@@ -410,6 +407,13 @@ class BackgroundVerifier:
         for job in unsaid:
             cut = _unverified(job, "cut-short", why)
             _emit(job.events, event_of(cut), cut)
+
+
+@dataclass(frozen=True, slots=True)
+class _NoResult:
+    """A verification or task that ended without a result, and why, as the user reads it."""
+
+    why: str
 
 
 def _guarded(what: str, call: Callable[..., Any], *args: Any) -> None:

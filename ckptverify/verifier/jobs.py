@@ -18,22 +18,30 @@ from ckptverify.verifier.parts import part_job, stamp_parts_locked
 from ckptverify.verifier.saved import saved_job
 from ckptverify.verifier.stamper import stamp_locked
 from ckptverify.verifier.throttle import Throttle
+from ckptverify.verifier.verification import Verification
 
-__all__ = ["CHECK_SAVED", "JOBS", "STAMP", "VERIFY_PART", "job_function", "run_job", "stamp_job"]
+__all__ = ["CHECK_SAVED", "JOBS", "STAMP", "VERIFY_PART", "job_function", "run_job", "stamp_job", "stamp_save"]
 
 STAMP = "stamp"
 CHECK_SAVED = "check-saved"
 VERIFY_PART = "verify-part"
 
 
+def stamp_save(path: str, *, step: int | None, deep: bool, jobs: int | None, settle: float, parts: bool = False,
+               throttle: Throttle | None = None) -> Verification:
+    """A save's verification and stamp, its verifying lock held (in a verifier thread or process):
+    :func:`~ckptverify.verifier.stamper.stamp_locked`, or with ``parts``
+    :func:`~ckptverify.verifier.parts.stamp_parts_locked`."""
+    verify = stamp_parts_locked if parts else stamp_locked
+    return verify(path, step=step, jobs=jobs, deep=deep, settle=settle, throttle=throttle)
+
+
 def stamp_job(path: str, step: int | None, deep: bool, jobs: int | None, settle: float, parts: bool = False,
               throttle: Throttle | None = None) -> dict[str, Any]:
-    """The ``stamp`` job, a save's verification (the parent holds the verifying lock):
-    :func:`~ckptverify.verifier.stamper.stamp_locked`, or with ``parts``
-    :func:`~ckptverify.verifier.parts.stamp_parts_locked`; the
-    :class:`~ckptverify.verifier.verification.Verification` as JSON values."""
-    verify = stamp_parts_locked if parts else stamp_locked
-    return verify(path, step=step, jobs=jobs or 1, deep=deep, settle=float(settle), throttle=throttle).to_dict()
+    """The ``stamp`` job (the parent holds the verifying lock): :func:`stamp_save` on one core unless ``jobs`` says
+    more; the :class:`~ckptverify.verifier.verification.Verification` as JSON values."""
+    return stamp_save(path, step=step, deep=deep, jobs=jobs or 1, settle=float(settle), parts=parts,
+                      throttle=throttle).to_dict()
 
 
 def _paced(function: Callable[..., Any]) -> Callable[..., Any]:

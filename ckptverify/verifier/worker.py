@@ -200,8 +200,9 @@ class VerifierProcess:
 
     def run(self, job: str, args: dict[str, Any], throttle: Callable[[], bool] | None = None,
             urgent: Callable[[], bool] | None = None) -> Any:
-        """Run job ``job`` with ``args`` in the process and return its result; ``RuntimeError`` if no answer or it
-        raised. ``throttle``/``urgent`` are asked once the process runs (so a :meth:`hurry` reaches it)."""
+        """Run job ``job`` with ``args`` in the process and return its result; ``RuntimeError`` if no answer (the
+        message says why) or it raised (the message is the job's own ``Type: message``). ``throttle``/``urgent`` are
+        asked once the process runs (so a :meth:`hurry` reaches it)."""
         try:
             proc = self._start()
             assert proc.stdin is not None and proc.stdout is not None
@@ -228,7 +229,7 @@ class VerifierProcess:
             self.close(now=True)
             raise RuntimeError("the verifier process answered another request")
         if "result" not in data:
-            raise RuntimeError(f"{job} failed in the verifier process: {data.get('call_error')}")
+            raise RuntimeError(str(data.get("call_error") or data.get("protocol_error")))
         return data["result"]
 
     def close(self, *, now: bool = False) -> None:

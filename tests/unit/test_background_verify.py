@@ -203,6 +203,22 @@ def test_a_verifier_process_that_dies_leaves_that_checkpoint_unverified_and_the_
     assert verifier._child._proc is not first  # started again
 
 
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_a_verification_that_raises_reads_the_same_in_either_isolation(tmp_path: Path, isolation: str) -> None:
+    cv.save(_state(1.0), tmp_path / "step_1")
+    verifier = BackgroundVerifier(isolation=isolation, settle=0.05, jobs="two")  # jobs it cannot use: it raises
+    try:
+        with pytest.warns(CkptVerifyWarning, match="step_1"):
+            verifier.submit(tmp_path / "step_1", step=1)
+            assert verifier.wait(timeout=60)
+    finally:
+        verifier.close(timeout=60)
+    last = verifier.last()
+    assert (last.verdict, last.no_verdict) == ("unverified", "error")
+    assert last.reason.startswith("the verification itself failed: TypeError: "), last.reason
+    assert not (tmp_path / "step_1" / STAMP_FILE).exists()
+
+
 def test_bad_verify_arguments_are_usage_errors(tmp_path: Path, verifier: BackgroundVerifier) -> None:
     for kwargs in ({"verify": "later"}, {"verify": "inline", "on_verified": 3},
                    {"verify": "inline", "verify_deep": True}):  # not a keyword of save
