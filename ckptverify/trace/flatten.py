@@ -33,25 +33,12 @@ def _live_value(groups: list[Any], index: int, head: str, rest: str) -> Any:
 
 
 _MISSING = object()
-_UNCACHEABLE = object()
-
-
-def _snapshot(value: Any) -> Any:
-    """An immutable copy of plain ``value`` to compare with the next step's; ``_UNCACHEABLE`` for anything else
-    (digested every time)."""
-    kind = type(value)
-    if kind in _SCALARS:
-        return value
-    if kind is list or kind is tuple:
-        items = tuple(_snapshot(v) for v in value)
-        return _UNCACHEABLE if any(v is _UNCACHEABLE for v in items) else (kind, items)
-    return _UNCACHEABLE
 
 
 class _Leaves:
     """Non-tensor leaves of a flattened state dict, one cell per parent (``{leaf: value}`` digest). Leaves that are
     hyperparameters of a live param group are read from it each step (a scheduler changes them); a parent whose live
-    leaves are unchanged keeps its cell."""
+    groups hold plain values only and are unchanged keeps its cell."""
 
     def __init__(self, flat: Mapping[str, Any], prefix: str, site_prefix: str, kind: str,
                  groups: list[Any] | None = None) -> None:
@@ -92,14 +79,11 @@ class _Leaves:
         out = []
         for site, leaves in self.parents.items():
             read, hit = self._reads[site], self._cache.get(site)
-            # Plain groups compare as a whole before their live values are read; other live values by a snapshot.
+            # Plain groups compare as a whole before their live values are read; others are digested every step.
             snap: Any = None if read is None else [tuple(self.groups[g].values()) for g in read]
             if hit is None or snap is None or hit[0] != snap:
                 live = [_live_value(self.groups, *where) for _, _, where in leaves if where is not None]
-                if read is None:
-                    snap = _snapshot(live)
-                if hit is None or snap is _UNCACHEABLE or hit[0] != snap:
-                    hit = self._cache[site] = (snap, self._cell(site, leaves, live))
+                hit = self._cache[site] = (snap, self._cell(site, leaves, live))
             out.append(hit[1])
         return out
 
