@@ -3,6 +3,7 @@ the step, site and category the documented semantics (docs/trace.md) say."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import warnings
@@ -245,6 +246,9 @@ def test_dropout_rng_perturbation_names_dropout_as_origin(tmp_path: Path) -> Non
     assert (d.step, d.site, d.category, d.kind) == (2, "module.2.fwd#0", "module", "module_out")
     assert (d.origin, d.origin_type, d.inputs_verified) == ("2", "Dropout", True)
     assert d.receivers[:3] == ("module.3.in#0", "module.3.fwd#0", "module.(root).fwd#0")
+    as_dict = d.to_dict()  # plain JSON data: tuples become lists
+    assert as_dict["receivers"] == list(d.receivers) and as_dict["origin_ranks"] == [0]
+    assert json.loads(json.dumps(as_dict)) == as_dict
     assert "module.0.fwd#0" not in d.receivers and "module.1.fwd#0" not in d.receivers
     origin = [f for f in compare_runs(a, b) if f.check == "trace-origin"]
     assert len(origin) == 1 and origin[0].location.fqn == "2" and "Dropout" in origin[0].message
