@@ -10,7 +10,6 @@ attributed to the wrong module when autograd interleaves independent branches.""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import io
 import json
@@ -121,8 +120,7 @@ class _Digests:
         if hit is not None and hit[0]() is t and hit[1] == version:
             return hit[2]
         value = self._fresh(t)
-        with contextlib.suppress(TypeError):
-            self._seen[id(t)] = (weakref.ref(t), version, value)
+        self._seen[id(t)] = (weakref.ref(t), version, value)
         return value
 
     def forget(self, t: Any) -> None:
@@ -136,8 +134,7 @@ class _Digests:
 
     def uninitialised(self, t: Any) -> None:
         """Mark ``t`` as uninitialised memory (an ``empty*`` output): not compared until written."""
-        with contextlib.suppress(TypeError):
-            self._seen[id(t)] = (weakref.ref(t), t._version, None)
+        self._seen[id(t)] = (weakref.ref(t), t._version, None)
 
     def chunks(self, t: Any, size: int) -> list[Any]:
         """Digests of consecutive chunks of ``size`` elements of ``t`` (flattened)."""
