@@ -116,3 +116,14 @@ def test_rerun_refuses_a_time_limit_that_is_not_a_positive_number(timeout_s) -> 
 def test_rerun_on_cuda_without_cuda_is_refused() -> None:
     with pytest.raises(UsageError, match="CUDA is not available"):
         rerun(Capture(op="aten.add.Tensor", args=(torch.ones(2), torch.ones(2)), kwargs={}), device="cuda")
+
+
+def test_hyperparameters_whose_types_change_are_found_again() -> None:
+    from ckptverify.trace.hyperparams import _HparamCells
+
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5, momentum=0.9)
+    cells = _HparamCells("hparam.", "tensor")
+    cells([opt])
+    opt.param_groups[0]["momentum"] = None  # same keys, a number no more: the packing spec is found again
+    assert cells([opt]) == _HparamCells("hparam.", "tensor")([opt])
+    assert "hparam.0.momentum" not in {c.site for c in cells([opt])}
