@@ -1,6 +1,6 @@
-"""Trace inputs the recorder, the store and the kernel re-run refuse with a usage error, and values that take a
-general path (a live hyperparameter that is not plain data, a metric that does not fit 64 bits, a dtype numpy lacks,
-a group of non-consecutive ranks)."""
+"""Trace inputs the recorder, the store and the kernel re-run refuse, and values that take a
+general path (a live hyperparameter that is not plain data, hyperparameters whose types change, a metric that does
+not fit 64 bits, a dtype numpy lacks, a group of non-consecutive ranks)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from ckptverify.errors import UsageError
-from ckptverify.trace import Cell, TraceHeader, TraceRecorder, TraceWriter
+from ckptverify.errors import CkptVerifyError, UsageError
+from ckptverify.trace import Cell, TraceHeader, TraceRecorder, TraceWriter, compare_runs
 from ckptverify.trace.category import digest_lanes, host_digest
 from ckptverify.trace.cells import _metric_cell, _tensor_cell, _value_lanes
 from ckptverify.trace.comm import group_label
 from ckptverify.trace.flatten import _Leaves
+from ckptverify.trace.hyperparams import _HparamCells
 from ckptverify.trace.kernel import Capture, rerun
 from ckptverify.trace.oplog import window_from_dict
 from ckptverify.trace.store import hex_lanes
@@ -119,11 +120,22 @@ def test_rerun_on_cuda_without_cuda_is_refused() -> None:
 
 
 def test_hyperparameters_whose_types_change_are_found_again() -> None:
-    from ckptverify.trace.hyperparams import _HparamCells
-
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5, momentum=0.9)
     cells = _HparamCells("hparam.", "tensor")
     cells([opt])
     opt.param_groups[0]["momentum"] = None  # same keys, a number no more: the packing spec is found again
     assert cells([opt]) == _HparamCells("hparam.", "tensor")([opt])
     assert "hparam.0.momentum" not in {c.site for c in cells([opt])}
+
+
+def test_comparing_what_is_not_a_pair_of_run_directories_is_refused(tmp_path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with pytest.raises(CkptVerifyError, match="no trace directory at"):
+        compare_runs(tmp_path / "a", tmp_path / "missing")
+    with pytest.raises(CkptVerifyError, match="no rank<r>/ trace stores in"):
+        compare_runs(tmp_path / "a", tmp_path / "b")
+    with TraceWriter(tmp_path / "a" / "rank0", header=TraceHeader(run="a"), background=False) as w:
+        w.append(1, [Cell.from_int("metric.n", "metric", 1)])
+    with pytest.raises(UsageError, match="is a single trace store, not a run directory"):
+        compare_runs(tmp_path / "a" / "rank0", tmp_path / "b")
