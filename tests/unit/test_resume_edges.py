@@ -1,0 +1,154 @@
+"""Refusals and fallbacks of the resume harness and replay that need no launched process: plan checks, target
+loading, output labelling, rebuilt-object detection, and the verdict texts built from evidence."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ckptverify.errors import UsageError
+from ckptverify.findings import Location, error
+from ckptverify.replay import replay as replay_mod
+from ckptverify.resume import harness_output, harness_target
+from ckptverify.resume.causes import RESUME, _values_in
+from ckptverify.resume.harness import Plan, resume_check_many
+from ckptverify.resume.locate.ops import _output_difference
+from ckptverify.resume.locate.walk import skipped, state_origin
+from ckptverify.resume.unregistered import registered_bindings, replaced_objects
+from ckptverify.state.train_state import TrainState
+from ckptverify.trace.oplog import OpEvent
+
+
+@pytest.mark.parametrize("field,value,said", [("nproc", 0, "--nproc must be at least 1"),
+                                              ("runs", ("B",), "--runs must include A"),
+                                              ("runs", ("A", "C"), "--runs must include A")])
+def test_plan_refuses_bad_counts_and_runs(field: str, value: object, said: str) -> None:
+    with pytest.raises(UsageError, match=said):
+        Plan(target="x.py:train", steps=4, resume_at=2, **{field: value})  # type: ignore[arg-type]
+
+
+def test_plans_checked_together_share_nproc_and_device() -> None:
+    assert resume_check_many([]) == []
+    plans = [Plan(target="x.py:train", steps=4, resume_at=2), Plan(target="x.py:train", steps=4, resume_at=2, nproc=2)]
+    with pytest.raises(UsageError, match="same nproc and device"):
+        resume_check_many(plans)
+
+
+@pytest.fixture
+def modules(tmp_path, monkeypatch):
+    """A working directory holding importable modules, as ``module:FUNC`` targets find them."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+    def write(name: str, text: str) -> None:
+        (tmp_path / f"{name}.py").write_text(text)
+
+    return write
+
+
+def test_a_missing_module_says_where_to_run_from(modules) -> None:
+    with pytest.raises(UsageError, match=r"no module named 'cv_no_such_module'.*run from the folder"):
+        harness_target.check_target("cv_no_such_module:train")
+
+
+def test_a_module_failing_to_import_shows_its_traceback(modules) -> None:
+    modules("cv_broken_target", "import cv_missing_dependency\n\ndef train(run):\n    run.restore(None)\n")
+    with pytest.raises(UsageError, match=r"cv_broken_target failed to import:(.|\n)*cv_missing_dependency"):
+        harness_target.check_target("cv_broken_target:train")
+
+
+def test_a_target_that_is_not_a_function_is_refused(modules) -> None:
+    modules("cv_value_target", "train = 3\n")
+    with pytest.raises(UsageError, match="is a int, not a function"):
+        harness_target.check_target("cv_value_target:train")
+
+
+def _pumped(data: bytes) -> list[bytes]:
+    """The writes :func:`harness_output._pump` makes for ``data`` written into its pipe."""
+    read, write = os.pipe()
+    writes: list[bytes] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(harness_output, "_write_all", lambda _out, batch: writes.append(batch))
+        pump = threading.Thread(target=harness_output._pump, args=(read, -1, b"[A] "))
+        pump.start()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(write, view):]
+        os.close(write)
+        pump.join(10)
+    assert not pump.is_alive()
+    return writes
+
+
+def test_output_lines_are_labelled_in_writes_of_at_most_pipe_buf() -> None:
+    lines = [f"line {i}".encode() for i in range(2000)]
+    writes = _pumped(b"\n".join(lines) + b"\n")
+    assert b"".join(writes) == b"".join(b"[A] " + line + b"\n" for line in lines)
+    assert len(writes) > 1 and all(len(w) <= harness_output._ATOMIC for w in writes)
+    assert all(w.endswith(b"\n") for w in writes)
+
+
+def test_an_unended_line_longer_than_the_limit_is_written_as_it_stands() -> None:
+    bar = b"#" * (3 * harness_output._LONGEST)
+    out = b"".join(_pumped(bar))
+    pieces = out.split(b"\n")[:-1]
+    assert len(pieces) > 1 and all(p.startswith(b"[A] ") for p in pieces)
+    assert b"".join(p[len(b"[A] "):] for p in pieces) == bar
+
+
+def test_a_registered_object_rebuilt_after_restore_is_named() -> None:
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TrainState(model=model, optimizer=optimizer)
+    bindings = registered_bindings({"model": model, "optimizer": optimizer, "_hidden": model}, state)
+    assert set(bindings) == {"model", "optimizer"}
+    rebuilt = torch.optim.Adam(model.parameters())
+    found = replaced_objects(bindings, {"model": model, "optimizer": rebuilt}, state)
+    assert found == [{"name": "optimizer", "field": bindings["optimizer"][1], "type": "Adam",
+                      "registered_type": "SGD"}]
+    # A name reused for something stateless is no rebuilt object.
+    assert replaced_objects(bindings, {"model": model, "optimizer": 3}, state) == []
+
+
+def test_a_category_cell_alone_names_the_restored_value_only() -> None:
+    assert _values_in(RESUME, None, "0123456789abcdef") == "0123456789ab… in B, another value in A"
+    assert _values_in(RESUME, 1, 2) == "1 in A, 2 in B"
+
+
+def test_events_with_other_output_counts_differ_at_the_first_missing_output() -> None:
+    a = OpEvent(step=1, phase="forward", module="m", op="aten.add", occurrence=0, index=0, outputs=(1, 2))
+    b = OpEvent(step=1, phase="forward", module="m", op="aten.add", occurrence=0, index=0, outputs=(1,))
+    assert _output_difference(a, b) == {"index": 1}
+
+
+def test_walk_findings_of_a_state_origin_and_a_skipped_walk() -> None:
+    (origin,) = state_origin(kind="rng", step=3, rank=1, site="rng.torch").findings()
+    assert origin.check == "locate-origin" and origin.location.rank == 1 and origin.location.fqn == "rng.torch"
+    assert "step 3" in origin.message and "on rank 1" in origin.message
+    (said,) = skipped("no step", step=2).findings()
+    assert said.check == "locate-skipped" and said.severity.value == "info" and said.message == "Not located: no step."
+
+
+def test_hosts_are_described_from_what_production_recorded() -> None:
+    assert replay_mod._where(None) == "host unknown"
+    host = {"hostname": "n1", "device": {"type": "cuda", "index": 2, "name": "H100", "uuid": "GPU-1"}}
+    assert replay_mod._where(host) == "host n1, device cuda:2 (H100, GPU-1)"
+
+
+@pytest.mark.parametrize("fqn,kind", [("data.position", "data"), ("rng.torch", "rng"),
+                                      ("scheduler.last_epoch", "scheduler"), ("counters.step", "restore-mismatch"),
+                                      ("model.weight", "hardware-fault-suspected")])
+def test_a_final_state_difference_is_judged_by_the_item_it_names(fqn: str, kind: str) -> None:
+    verdict = replay_mod._final_differs(error("diff", "differs", location=Location(fqn=fqn)), 7, 2)
+    assert verdict.kind == kind and verdict.step == 7 and verdict.site == fqn
+    assert (verdict.candidate_ranks == (0, 1)) == (kind == "hardware-fault-suspected")
+
+
+def test_replays_differing_with_no_step_named_are_still_nondeterministic() -> None:
+    verdict = replay_mod._twins_differ([SimpleNamespace(first=None)])  # type: ignore[list-item]
+    assert verdict.kind == "nondeterministic" and verdict.step is None
