@@ -15,10 +15,12 @@ from ckptverify.errors import UsageError
 from ckptverify.findings import Location, error
 from ckptverify.replay import replay as replay_mod
 from ckptverify.resume import harness_output, harness_target
-from ckptverify.resume.causes import RESUME, _values_in
+from ckptverify.resume.causes import RESUME, At, _values_in, rng_cause
+from ckptverify.resume.compare import SiteDiff, _held_gaps
 from ckptverify.resume.harness import Plan, resume_check_many
 from ckptverify.resume.locate.ops import _output_difference
 from ckptverify.resume.locate.walk import skipped, state_origin
+from ckptverify.resume.run import Run, RunConfig
 from ckptverify.resume.unregistered import registered_bindings, replaced_objects
 from ckptverify.state.train_state import TrainState
 from ckptverify.trace.oplog import OpEvent
@@ -152,3 +154,57 @@ def test_a_final_state_difference_is_judged_by_the_item_it_names(fqn: str, kind:
 def test_replays_differing_with_no_step_named_are_still_nondeterministic() -> None:
     verdict = replay_mod._twins_differ([SimpleNamespace(first=None)])  # type: ignore[list-item]
     assert verdict.kind == "nondeterministic" and verdict.step is None
+
+
+def test_a_stream_drawn_between_later_steps_names_the_run_that_drew() -> None:
+    drew = SiteDiff("rng.torch", "aa", "bb", a_moved=False, b_moved=True)
+    sentence, advice = rng_cause(At(runs=RESUME, step=5, saved_at=2, rank=0), [drew])
+    assert "B drew from rng.torch between steps 4 and 5" in sentence and "rank 0" in sentence
+    assert advice == "draw random numbers only inside the steps, the same way in every run"
+
+
+def test_held_values_not_all_compared_say_why() -> None:
+    held = {"A": {0: {"error": "walk failed", "truncated": True, "skipped": ["x", "y", "z", "w"]}, 1: {}},
+            "B": {0: {}}}
+    gaps = _held_gaps(held)
+    assert gaps[0] == "run B left no record of rank 1"
+    assert gaps[1] == "run A rank 0: walk failed"
+    assert gaps[2].startswith("run A rank 0 holds more than was compared (at most ")
+    assert gaps[3] == "run A rank 0 could not fingerprint x, y, z"
+    assert len(gaps) == 4
+
+
+def test_run_api_misuse_is_refused() -> None:
+    with pytest.raises(UsageError, match=r"run.restore\(\) takes a TrainState, got dict"):
+        Run(RunConfig(stop_step=2)).restore({})
+    with pytest.raises(UsageError, match=r"must be called once per step yielded by run.steps\(\)"):
+        Run(RunConfig(stop_step=2)).record(loss=1.0)
+    steps = Run(RunConfig(stop_step=2)).steps()
+    next(steps)
+    with pytest.raises(UsageError, match=r"call run.record\(...\) once at the end of every step"):
+        next(steps)
+    with pytest.raises(UsageError, match="production mode needs steps="):
+        Run.main(lambda run: None, run_dir="somewhere")
+
+
+def test_replay_checkpoint_choice_refusals(tmp_path) -> None:
+    with pytest.raises(UsageError, match="--from must be below --to, got 3 and 2"):
+        replay_mod._pick(str(tmp_path), 3, 2)
+    with pytest.raises(UsageError, match=r"no checkpoint of step 1 under .* \(have: none\)"):
+        replay_mod._pick(str(tmp_path), 1, 2)
+    with pytest.raises(UsageError, match="no verified checkpoint under"):
+        replay_mod._pick(str(tmp_path), None, None)
+
+
+def test_a_recorded_target_of_no_known_shape_is_refused(tmp_path) -> None:
+    job = tmp_path / "job.py"
+    job.write_text("def train(run):\n    run.restore(None)\n")
+    with pytest.raises(UsageError, match=r"records the training function 'nonsense', which is not FILE\.py:FUNC"):
+        replay_mod.same_function(f"{job}:train", {"target": "nonsense"}, str(tmp_path))
+
+
+def test_a_target_changing_the_environment_at_import_leaves_it_as_it_was(modules) -> None:
+    modules("cv_env_target", "import os\nos.environ['CV_SET_BY_TARGET'] = '1'\n\n"
+                             "def train(run):\n    run.restore(None)\n")
+    harness_target.check_target("cv_env_target:train")
+    assert "CV_SET_BY_TARGET" not in os.environ
