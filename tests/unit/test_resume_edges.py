@@ -14,14 +14,14 @@ import torch
 from ckptverify.errors import UsageError
 from ckptverify.findings import Location, error
 from ckptverify.replay import replay as replay_mod
-from ckptverify.resume import harness_output, harness_target
+from ckptverify.resume import harness_output, harness_target, unregistered
 from ckptverify.resume.causes import RESUME, At, _values_in, rng_cause
 from ckptverify.resume.compare import SiteDiff, _held_gaps
 from ckptverify.resume.harness import Plan, resume_check_many
 from ckptverify.resume.locate.ops import _output_difference
 from ckptverify.resume.locate.walk import skipped, state_origin
 from ckptverify.resume.run import Run, RunConfig
-from ckptverify.resume.unregistered import registered_bindings, replaced_objects
+from ckptverify.resume.unregistered import held_state, registered_bindings, replaced_objects
 from ckptverify.state.train_state import TrainState
 from ckptverify.trace.oplog import OpEvent
 
@@ -208,3 +208,23 @@ def test_a_target_changing_the_environment_at_import_leaves_it_as_it_was(modules
                              "def train(run):\n    run.restore(None)\n")
     harness_target.check_target("cv_env_target:train")
     assert "CV_SET_BY_TARGET" not in os.environ
+
+
+class _UnreadableOptimizer(torch.optim.SGD):
+    def state_dict(self):  # type: ignore[override]
+        raise RuntimeError("no state here")
+
+
+def test_held_values_beyond_the_bounds_or_unreadable_are_said_not_compared(monkeypatch) -> None:
+    model = torch.nn.Linear(2, 2)
+    state = TrainState(model=model)
+    held = held_state({"big": list(range(unregistered.HELD_ITEMS + 1)), "meta": torch.empty(2, device="meta"),
+                       "opt": _UnreadableOptimizer(model.parameters(), lr=0.1)}, state)
+    assert held["truncated"] and held["skipped"] == ["meta", "opt"] and held["entries"] == {}
+    monkeypatch.setattr(unregistered, "HELD_ENTRIES", 2)
+    held = held_state({"a": torch.ones(1), "b": torch.zeros(1), "c": torch.full((1,), 3.0)}, state)
+    assert held["truncated"] and list(held["entries"]) == ["a", "b"]
+    monkeypatch.setattr(unregistered, "HELD_ENTRIES", 100)
+    monkeypatch.setattr(unregistered, "HELD_VISITS", 1)
+    held = held_state({"a": torch.ones(1), "b": torch.zeros(1)}, state)
+    assert held["truncated"] and list(held["entries"]) == ["a"]
