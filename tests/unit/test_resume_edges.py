@@ -3,6 +3,7 @@ loading, output labelling, rebuilt-object detection, and the verdict texts built
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import threading
@@ -10,11 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.multiprocessing import ProcessExitedException
 
-from ckptverify.errors import UsageError
+from ckptverify.errors import CkptVerifyError, UsageError
 from ckptverify.findings import Location, error
 from ckptverify.replay import replay as replay_mod
-from ckptverify.resume import harness_output, harness_target, unregistered
+from ckptverify.resume import harness_output, harness_target, launch, unregistered
 from ckptverify.resume.causes import RESUME, At, _values_in, rng_cause
 from ckptverify.resume.compare import SiteDiff, _held_gaps
 from ckptverify.resume.harness import Plan, resume_check_many
@@ -228,3 +230,15 @@ def test_held_values_beyond_the_bounds_or_unreadable_are_said_not_compared(monke
     monkeypatch.setattr(unregistered, "HELD_VISITS", 1)
     held = held_state({"a": torch.ones(1), "b": torch.zeros(1)}, state)
     assert held["truncated"] and list(held["entries"]) == ["a"]
+
+
+def test_a_crash_leaving_no_rank_text_is_said_with_the_launch_error(tmp_path) -> None:
+    jobs = [("x.py:train", RunConfig(name="A", trace_dir=str(tmp_path / "trace")))]
+    with pytest.raises(CkptVerifyError, match="the workload crashed in run A: ProcessExitedException\nsignal 9"):
+        launch._raise_failure(jobs, ProcessExitedException("signal 9", error_index=0, error_pid=1, exit_code=-9))
+
+
+def test_launch_width_and_start_method_off_the_common_path(monkeypatch) -> None:
+    assert launch.launches_at_once(2, "cuda") == 1
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    assert launch.start_method() == "spawn"
