@@ -18,13 +18,15 @@ from ckptverify.findings import Location, error
 from ckptverify.replay import replay as replay_mod
 from ckptverify.resume import harness_output, harness_target, launch, unregistered
 from ckptverify.resume.causes import RESUME, At, _values_in, rng_cause
-from ckptverify.resume.compare import SiteDiff, _held_gaps
+from ckptverify.resume.compare import Evidence, Indices, SiteDiff, StepEvidence, _held_gaps
 from ckptverify.resume.harness import Plan, resume_check_many
 from ckptverify.resume.locate.ops import _output_difference
 from ckptverify.resume.locate.walk import skipped, state_origin
 from ckptverify.resume.run import Run, RunConfig
 from ckptverify.resume.unregistered import held_state, registered_bindings, replaced_objects
+from ckptverify.resume.verdict import Verdict, decide
 from ckptverify.state.train_state import TrainState
+from ckptverify.trace.compare import FirstDivergence
 from ckptverify.trace.oplog import OpEvent
 
 
@@ -242,3 +244,53 @@ def test_launch_width_and_start_method_off_the_common_path(monkeypatch) -> None:
     assert launch.launches_at_once(2, "cuda") == 1
     monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
     assert launch.start_method() == "spawn"
+
+
+PLAN = SimpleNamespace(resume_at=2, steps=4, runs=("A", "A2", "B"), nproc=1, level="state")
+LOADER = {"name": "loader", "type": "DataLoader", "kind": "data loader"}
+
+
+def _parted(category: str, site: str, step: StepEvidence | None = None, origin: str | None = None,
+            **evidence: object) -> Verdict:
+    """The verdict when A and B first part at step 4 in ``site``."""
+    div = FirstDivergence(step=4, rank=0, site=site, category=category, kind=site.split(".")[0], origin=origin)
+    return decide(PLAN, Evidence(resume=div, resume_sites=frozenset({site}), step=step or StepEvidence(),
+                                 **evidence))  # type: ignore[arg-type]
+
+
+def test_final_checkpoints_differing_alone_is_a_divergence_found_at_the_end() -> None:
+    v = decide(PLAN, Evidence(final=(error("diff", "differs", location=Location(fqn="model.w")),)))
+    assert (v.kind, v.category, v.site) == ("diverged", "final", "model.w")
+    assert "the final checkpoints differ (1 item(s), first model.w)" in v.message
+
+
+def test_a_pass_still_names_unregistered_and_rebuilt_objects() -> None:
+    v = decide(PLAN, Evidence(unregistered=({"name": "ema", "type": "EMA", "kind": "stateful object"},)))
+    assert v.passed and "would lose state" in v.message and "ema (EMA)" in v.message
+    rebuilt = {"name": "sched", "type": "StepLR", "run": "B", "rank": 0, "field": "scheduler"}
+    v = decide(PLAN, Evidence(replaced=(rebuilt,)))
+    assert v.passed and "sched (StepLR) was rebuilt after run.restore() (run B, rank 0)" in v.message
+    assert v.advice == "build sched before run.restore(state) and do not rebuild it after."
+
+
+def test_a_computed_difference_in_a_module_points_at_the_state_it_reads() -> None:
+    v = _parted("module", "module.layer1", origin="layer1")
+    assert v.kind == "hidden-state" and v.advice.startswith("look at the state module layer1 reads")
+
+
+def test_a_difference_no_rule_explains_is_a_divergence() -> None:
+    v = _parted("counters", "counters.epoch")
+    assert v.kind == "diverged" and v.message.startswith("resumed run diverges at step 4")
+
+
+def test_a_batch_difference_is_explained_from_the_sample_indices() -> None:
+    batch = StepEvidence(batch=True)
+    v = _parted("data", "batch", batch, unregistered=(LOADER,))
+    assert v.kind == "data" and "loader (DataLoader) is not registered in the TrainState" in v.message
+    v = _parted("data", "batch", batch)
+    assert "whether B drew the same samples as A cannot be told" in v.message
+    other = StepEvidence(batch=True, indices=Indices(a="i1", b="i2", a_next="i3"))
+    v = _parted("data", "batch", other)
+    assert "data.indices differ) although the loader is registered" in v.message
+    v = _parted("data", "batch", other, unregistered=(LOADER,))
+    assert "(data.indices differ): loader (DataLoader) is not registered" in v.message
