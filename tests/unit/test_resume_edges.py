@@ -20,8 +20,9 @@ from ckptverify.resume import harness_output, harness_target, launch, unregister
 from ckptverify.resume.causes import RESUME, At, _values_in, rng_cause
 from ckptverify.resume.compare import Evidence, Indices, SiteDiff, StepEvidence, _held_gaps
 from ckptverify.resume.harness import Plan, resume_check_many
+from ckptverify.resume.locate import walk as walk_mod
 from ckptverify.resume.locate.ops import _output_difference
-from ckptverify.resume.locate.walk import skipped, state_origin
+from ckptverify.resume.locate.walk import Side, Walk, for_replay, skipped, state_origin
 from ckptverify.resume.run import Run, RunConfig
 from ckptverify.resume.unregistered import held_state, registered_bindings, replaced_objects
 from ckptverify.resume.verdict import Verdict, decide
@@ -294,3 +295,33 @@ def test_a_batch_difference_is_explained_from_the_sample_indices() -> None:
     assert "data.indices differ) although the loader is registered" in v.message
     v = _parted("data", "batch", other, unregistered=(LOADER,))
     assert "(data.indices differ): loader (DataLoader) is not registered" in v.message
+
+
+def test_a_replay_verdict_on_a_step_input_is_a_state_origin_without_a_rerun(tmp_path) -> None:
+    verdict = SimpleNamespace(kind="rng", step=3, rank=1, site="rng.torch")
+    walked = for_replay(verdict, Side(name="R1", target="x.py:train"), world=2, device="cpu", repeats=2,
+                        workdir=str(tmp_path))
+    assert walked.status == "state" and walked.origin is not None and walked.origin["rank"] == 1
+
+
+def test_an_origin_op_whose_inputs_cannot_be_captured_leaves_the_origin_standing(tmp_path, monkeypatch) -> None:
+    request = Walk(step=2, sides=(Side(name="A", target="x.py:train"), Side(name="B", target="x.py:train")))
+    op = {"rank": 0, "op": "aten.mm", "phase": "forward", "module": "fc", "occurrence": 0}
+
+    def kernel(origin: dict, launched: object) -> tuple[dict, object]:
+        monkeypatch.setattr(launch, "launch_jobs", launched)
+        return walk_mod._kernel(request, request.sides[0], origin, str(tmp_path), lambda _m: None, 1.0,
+                                lambda *_a: RunConfig(name="capture"))
+
+    entry, finding = kernel({**op, "rank": None}, None)
+    assert entry["status"] == "not-captured" and "on several ranks" in entry["sentence"] and finding is None
+    entry, finding = kernel(op, lambda *_a, **_k: None)
+    assert entry["status"] == "not-captured" and finding.check == "locate-kernel-failed"
+    assert "were not captured in a further run" in finding.message
+
+    def crash(*_a: object, **_k: object) -> None:
+        raise CkptVerifyError("boom")
+
+    entry, finding = kernel(op, crash)
+    assert entry["status"] == "failed"
+    assert finding.message == "The origin op could not be re-run alone (CkptVerifyError: boom)."
