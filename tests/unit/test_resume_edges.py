@@ -15,6 +15,7 @@ from torch.multiprocessing import ProcessExitedException
 
 from ckptverify.errors import CkptVerifyError, UsageError
 from ckptverify.findings import Location, error
+from ckptverify.replay import causes as replay_causes
 from ckptverify.replay import replay as replay_mod
 from ckptverify.resume import harness_output, harness_target, launch, unregistered
 from ckptverify.resume.causes import RESUME, At, _values_in, rng_cause
@@ -325,3 +326,51 @@ def test_an_origin_op_whose_inputs_cannot_be_captured_leaves_the_origin_standing
     entry, finding = kernel(op, crash)
     assert entry["status"] == "failed"
     assert finding.message == "The origin op could not be re-run alone (CkptVerifyError: boom)."
+
+
+@pytest.mark.parametrize("sites,said", [(["start.rng.torch", "batch"], "random stream rng.torch differs between them"),
+                                        (["batch.x"], "their batches of step 4 differ"),
+                                        (["metric.loss"], "the job is not deterministic")])
+def test_differing_replays_name_where_their_nondeterminism_lies(monkeypatch, sites: list[str], said: str) -> None:
+    monkeypatch.setattr(replay_causes, "sites_at", lambda _comparisons, _step: {0: sites})
+    assert said in replay_causes.twin_cause([], 4)
+
+
+def _case(s: int, **known: object) -> replay_causes._Case:
+    """A replay case at step ``s`` (production restarted at step 2 from its checkpoint, or ran on past it), with
+    ``known`` facts in place of those its traces would give."""
+    case = replay_causes._Case(replay="r", start=2, world=1, ran_on=bool(known.pop("ran_on", False)),
+                               where=lambda _r: "host h", s=s, comparisons=[], notes=known.pop("notes", {}))
+    case.__dict__.update(known)
+    return case
+
+
+_LEAD = {0: SimpleNamespace(first=SimpleNamespace(rank=0, site="metric.loss"))}
+
+
+def test_replay_rules_on_the_step_inputs() -> None:
+    moved = SiteDiff("0.lr", 0.1, 0.2, a_moved=False, b_moved=True)
+    v = replay_causes._hparam_start(_case(3, evidence={0: StepEvidence(hparams_start=(moved,))}))
+    assert v is not None and v.kind == "changed-after-restore" and v.site == "optim.param_groups[0].lr"
+    assert v.message.endswith("; this says nothing about the hardware.")
+    used = SiteDiff("0.lr", 0.1, 0.2)
+    v = replay_causes._step_hparams(_case(4, evidence={0: StepEvidence(hparams_step=(used,), sites=("hparam.0.lr",))}))
+    assert v is not None and v.kind == "scheduler" and v.rank == 0
+    traced = SimpleNamespace(has_site=lambda _site: True)
+    v = replay_causes._data(_case(4, evidence={0: StepEvidence(batch=True, sites=("batch",))},
+                                  pairs={0: (traced, traced)}))
+    assert v is not None and v.kind == "data" and "the samples at the same position differ" in v.message
+
+
+def test_replay_rules_when_a_computed_value_differs_but_the_inputs_may_not_be_equal() -> None:
+    origin = ((0,), 0, None, "metric.loss")
+    v = replay_causes._unregistered(_case(3, ran_on=True, notes={0: {"unregistered": [{"name": "ema"}]}},
+                                          first=_LEAD))
+    assert v is not None and v.kind == "unregistered-state" and "does not hold: ema" in v.message
+    v = replay_causes._unregistered(_case(3, ran_on=True, notes={0: {"missing_optimizer": "none"}}, first=_LEAD))
+    assert v is not None and "no optimizer is registered in the TrainState" in v.message
+    untraced = SimpleNamespace(row_index=lambda _step: None)
+    v = replay_causes._untraced_before(_case(5, pairs={0: (untraced, untraced)}, origin=origin))
+    assert v is not None and v.kind == "undetermined" and "but step 4 is not traced" in v.message
+    v = replay_causes._ran_on_from_memory(_case(3, ran_on=True, origin=origin))
+    assert v is not None and v.kind == "undetermined" and "production ran on from memory" in v.message
