@@ -68,11 +68,7 @@ V = TypeVar("V")
 
 def first_verdict(rules: Sequence[Callable[[C], V | None]], case: C) -> V:
     """The verdict of the first rule that applies to ``case`` (returns non-``None``); the last rule always applies."""
-    for rule in rules:
-        verdict = rule(case)
-        if verdict is not None:
-            return verdict
-    raise AssertionError(f"no rule applies to {type(case).__name__}: the last rule of a table always applies")
+    return next(v for v in (rule(case) for rule in rules) if v is not None)
 
 
 def _values_in(runs: Runs, a: Any, b: Any) -> str:

@@ -65,8 +65,6 @@ class RunConfig:
             window_from_dict(self.op_window)  # refused here, before any rank starts
         if self.trace_every < 1:
             raise UsageError(f"trace_every must be at least 1, got {self.trace_every}")
-        if self.save_at and not self.checkpoint_dir:
-            raise UsageError("save_at needs checkpoint_dir")
 
 
 def checkpoint_path(checkpoint_dir: str, step: int) -> str:

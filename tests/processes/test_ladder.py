@@ -22,6 +22,7 @@ import pytest
 from helpers.inproc_cli import Done, invoke
 
 from ckptverify.errors import CkptVerifyError, UsageError
+from ckptverify.replay.replay import replay
 from ckptverify.resume.harness import Plan
 from ckptverify.resume.locate.walk import Side, Walk, for_replay, for_resume, walk
 
@@ -209,11 +210,11 @@ def test_the_walk_says_its_runs_and_time_before_it_starts_and_runs_them_side_by_
                        "the kernel's capture")
 
 
-def test_repeats_must_be_positive() -> None:
+def test_repeats_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(UsageError):
         _plan(locate_repeats=0)
-    with pytest.raises(UsageError):
-        Walk(step=1, sides=(Side(name="a", target="x.py:f"), Side(name="b", target="x.py:f")), repeats=0)
+    with pytest.raises(UsageError, match="--locate-repeats must be at least 1"):
+        replay(str(tmp_path), target="x.py:f", locate_repeats=0)
 
 
 def test_a_hung_run_is_stopped_within_its_time_limit(tmp_path: Path) -> None:

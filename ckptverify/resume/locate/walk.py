@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ckptverify.errors import UsageError
 from ckptverify.findings import Finding, Location, info, warning
 from ckptverify.ownfiles.names import own_dir
 from ckptverify.resume.locate.ops import locate
@@ -74,12 +73,6 @@ class Walk:
     deterministic: tuple[str, ...] = ()
     #: Wall time of the caller's whole run, for the walk's time estimate.
     run_seconds: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.repeats < 1:
-            raise UsageError(f"--locate-repeats must be at least 1, got {self.repeats}")
-        if self.step < 1:
-            raise UsageError(f"the step to locate must be at least 1, got {self.step}")
 
 
 @dataclass(frozen=True, kw_only=True)
