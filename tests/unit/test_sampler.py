@@ -216,6 +216,9 @@ def test_load_refuses_different_configuration() -> None:
         ResumableSampler(10, num_replicas=2, rank=1, seed=1).load_state_dict(two)
     with pytest.raises(UsageError, match="inconsistent"):
         ResumableSampler(10, seed=1).load_state_dict({**sd, "position": 11})
+    with pytest.raises(UsageError, match="sampler state must be a mapping, got list"):
+        ResumableSampler(10, seed=1).load_state_dict([sd])  # type: ignore[arg-type]
+    assert ResumableSampler(10, seed=1).last_batch() is None  # nothing handed out yet
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
