@@ -18,6 +18,8 @@ from ckptverify.errors import UsageError
 from ckptverify.state.dataloader import (
     KIND_RESUMABLE_SAMPLER,
     KIND_STATEFUL_DATALOADER,
+    WorkerSeeding,
+    check_loader,
     find_resumable_sampler,
     loader_state,
     restore_loader,
@@ -442,3 +444,15 @@ def test_loader_dispatch() -> None:
     find_resumable_sampler(tracked_sdl)._tracking = True  # as if someone had tracked it
     with pytest.raises(UsageError, match="iterate it directly"):
         loader_state(tracked_sdl)
+
+
+def test_worker_seeding_is_installed_only_where_workers_fetch_batches() -> None:
+    """Without automatic batching the workers fetch single samples: there is no batch to seed, nothing installed."""
+    single = ResumableSampler(8, shuffle=False)
+    loader = DataLoader(list(range(8)), batch_size=None, sampler=single, num_workers=2)
+    check_loader(loader)
+    assert loader.worker_init_fn is None and not single._tag
+    batched = ResumableSampler(8, shuffle=False)
+    loader = DataLoader(list(range(8)), batch_size=2, sampler=batched, num_workers=2)
+    check_loader(loader)
+    assert isinstance(loader.worker_init_fn, WorkerSeeding) and batched._tag
