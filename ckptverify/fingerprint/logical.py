@@ -333,13 +333,11 @@ def _strided_positions(p: Any, current: Any, num_chunks: int, rank: int) -> Any:
 
 
 def _runs(positions: Any) -> list[tuple[int, int, int]]:
-    """``positions`` (1-D global indices in local order) as maximal consecutive runs ``(local start, global start,
-    length)``."""
+    """``positions`` (1-D global indices in local order, at least one) as maximal consecutive runs ``(local start,
+    global start, length)``."""
     import torch
 
     n = len(positions)
-    if n == 0:
-        return []
     breaks = (torch.nonzero(positions[1:] - positions[:-1] != 1).flatten() + 1).tolist()
     starts, ends = [0, *breaks], [*breaks, n]
     firsts = positions[torch.tensor(starts)].tolist()
