@@ -161,8 +161,6 @@ class _Group(click.Group):
         command = next((a for a in argv if not a.startswith("-")), "ckptverify")
         try:
             return super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.exceptions.Exit as exc:
-            sys.exit(exc.exit_code)
         except click.Abort:
             click.echo("Aborted!", err=True)
             sys.exit(130)
@@ -173,8 +171,6 @@ class _Group(click.Group):
             sys.exit(exc.exit_code)
         except CkptVerifyError as exc:
             fail(command, " ".join(argv), exc, json_out)
-        except (KeyboardInterrupt, SystemExit):
-            raise
         except Exception as exc:  # the last line of defence: no traceback for any input
             if os.environ.get("CKPTVERIFY_DEBUG"):
                 raise

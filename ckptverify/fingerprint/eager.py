@@ -309,9 +309,7 @@ def _block_tables(blk: _ManyBlock, seeds: Sequence[tuple[int, int]], device: tor
 
 def lanes_many_eager(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """:func:`ckptverify.fingerprint.kernels.lanes_many` with torch operations only (any device; the reference), of
-    tensors on one device (which that entry checks)."""
-    if not tensors:
-        return torch.zeros((0, 2), dtype=torch.int64)
+    tensors on one device, at least one (which that entry checks)."""
     device = tensors[0].device
     flats: list[torch.Tensor] = []
     seeds: list[tuple[int, int]] = []

@@ -157,14 +157,11 @@ class BlockwiseFingerprint:
 
 def blockwise_fingerprint(t: torch.Tensor, global_offsets: Sequence[int],
                           global_shape: Sequence[int]) -> BlockwiseFingerprint | None:
-    """A :class:`BlockwiseFingerprint` of ``t`` when the compiled kernel would take it now and ``t`` is contiguous;
-    else ``None`` (use :func:`chunk_fingerprint_counted`)."""
+    """A :class:`BlockwiseFingerprint` of plain tensor ``t`` (not a wrapper subclass) when the compiled kernel would
+    take it now and ``t`` is contiguous; else ``None`` (use :func:`chunk_fingerprint_counted`)."""
     from ckptverify.fingerprint import kernels as kern
     from ckptverify.fingerprint.eager import dtype_name
-    from ckptverify.fingerprint.subclass import is_wrapper_subclass
 
-    if is_wrapper_subclass(t):
-        return None
     offsets = [int(o) for o in global_offsets]
     gshape = [int(s) for s in global_shape]
     try:
@@ -336,13 +333,11 @@ def _strided_positions(p: Any, current: Any, num_chunks: int, rank: int) -> Any:
 
 
 def _runs(positions: Any) -> list[tuple[int, int, int]]:
-    """``positions`` (1-D global indices in local order) as maximal consecutive runs ``(local start, global start,
-    length)``."""
+    """``positions`` (1-D global indices in local order, at least one) as maximal consecutive runs ``(local start,
+    global start, length)``."""
     import torch
 
     n = len(positions)
-    if n == 0:
-        return []
     breaks = (torch.nonzero(positions[1:] - positions[:-1] != 1).flatten() + 1).tolist()
     starts, ends = [0, *breaks], [*breaks, n]
     firsts = positions[torch.tensor(starts)].tolist()

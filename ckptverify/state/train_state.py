@@ -96,9 +96,6 @@ def pending_gradients(model: Any, *, limit: int = 5) -> tuple[list[str], int]:
     gradients a checkpoint does not save. Returns up to ``limit`` names and the count. Per rank, no collective. Only
     parameters a step was seen to update are judged (so a save before the first step is not warned about); FSDP2's
     unsharded gradients with sync off are not seen."""
-    if not _watching:
-        return [], 0
-
     modules = model if isinstance(model, list | tuple) else [model]
     # Named as checkpoints and traces name them: without DDP's "module." prefix.
     modules = [m.module if isinstance(m, DistributedDataParallel) else m for m in modules]
@@ -324,7 +321,7 @@ class TrainState:
         if self.dataloader is not None:
             data = mapping(sd.get("data"), "the data loader state")
             me = rank_key(self.rank)
-            if me not in data and not data:
+            if not data:
                 raise CkptVerifyError("the checkpoint holds no data loader state")
             loader = mapping(data[me] if me in data else next(iter(data.values())), "the data loader state")
         if self.extras:

@@ -78,6 +78,25 @@ def test_an_internal_error_is_one_line_and_exit_2(tmp_path: Path, monkeypatch) -
     assert as_json.exit_code == 2 and "boom" in json.loads(as_json.output)["error"]
 
 
+def test_an_interrupt_is_aborted_with_130_and_an_exit_passes_through(tmp_path: Path, monkeypatch) -> None:
+    import ckptverify.audit.verify as verify_mod
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(verify_mod, "verify_checkpoint", interrupted)
+    result = CliRunner().invoke(main, ["verify", "--no-progress", str(tmp_path)])
+    assert result.exit_code == 130 and "Aborted!" in result.output and "internal error" not in result.output
+
+    def exits(*args, **kwargs):
+        raise SystemExit(7)
+
+    monkeypatch.setattr(verify_mod, "verify_checkpoint", exits)
+    result = CliRunner().invoke(main, ["verify", "--no-progress", str(tmp_path)])
+    assert result.exit_code == 7 and "internal error" not in result.output
+    assert CliRunner().invoke(main, ["--version"]).exit_code == 0
+
+
 def test_fingerprint_force_never_replaces_a_manifest_that_is_not_a_file(tmp_path: Path) -> None:
     path = _save(tmp_path / "ckpt", {"w": torch.randn(8, 8)})
     (path / "ckptverify.manifest.json").mkdir()

@@ -597,3 +597,12 @@ def test_a_strided_sharded_dtensor_on_two_gloo_ranks_has_the_full_tensors_finger
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert TensorFingerprint.from_dict(got["strided"]) == want
         assert TensorFingerprint.from_dict(got["strided2d"]) == want
+
+
+def test_the_eager_many_plans_kept_are_bounded_and_evicted_oldest_first(monkeypatch) -> None:
+    monkeypatch.setattr(ref, "_many_plans", {})
+    monkeypatch.setattr(ref, "_MANY_PLANS_KEPT", 3)
+    for n in range(1, 6):  # five layouts: one tensor of n elements each
+        t = torch.arange(float(n))
+        assert ref.lanes_many_eager([t]).tolist() == [[_signed(x) for x in tensor_fingerprint(t).lanes]]
+    assert [key[2][0][0] for key in ref._many_plans] == [3, 4, 5]

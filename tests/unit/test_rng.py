@@ -323,6 +323,35 @@ def test_load_refuses_foreign_rank_and_bad_version() -> None:
         RngState(rank=2, world_size=2)
 
 
+def test_malformed_states_are_refused_before_any_stream_changes() -> None:
+    """Each hostile shape of a saved RNG state is refused with a message naming what is wrong, streams untouched."""
+    gen = torch.Generator().manual_seed(5)
+    state = capture_rng({"loader": gen})
+    before = _fingerprints(capture_rng({"loader": gen}))
+    cases = [
+        ([1, 2], "must be a mapping"),
+        ({k: v for k, v in state.items() if k != "numpy"}, "lacks"),
+        ({**state, "gen.loader": {"state": state["gen.loader"]["state"]}}, "has no field 'device'"),
+        ({**state, "gen.loader": {**state["gen.loader"], "device": "meta"}}, "captured on meta"),
+        ({**state, "python": {**state["python"], "version": 99}}, "not a valid random.getstate"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(UsageError, match=message):
+            restore_rng(bad, {"loader": gen})  # type: ignore[arg-type]
+        assert _fingerprints(capture_rng({"loader": gen})) == before
+    with pytest.raises(UsageError, match="mapping of name"):
+        capture_rng([gen])  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="non-empty strings"):
+        capture_rng({"": gen})
+    with pytest.raises(UsageError, match="positive int"):
+        RngState(rank=0, world_size=0)
+    sd = RngState(rank=0, world_size=1).state_dict()
+    with pytest.raises(UsageError, match="must be a mapping"):
+        RngState(rank=0, world_size=1).load_state_dict([sd])  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="no valid world_size"):
+        RngState(rank=0, world_size=1).load_state_dict({**sd, "world_size": "1"})
+
+
 # ----------------------------------------------------------------------------------- CUDA
 
 

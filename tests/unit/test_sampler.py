@@ -18,6 +18,8 @@ from ckptverify.errors import UsageError
 from ckptverify.state.dataloader import (
     KIND_RESUMABLE_SAMPLER,
     KIND_STATEFUL_DATALOADER,
+    WorkerSeeding,
+    check_loader,
     find_resumable_sampler,
     loader_state,
     restore_loader,
@@ -216,6 +218,9 @@ def test_load_refuses_different_configuration() -> None:
         ResumableSampler(10, num_replicas=2, rank=1, seed=1).load_state_dict(two)
     with pytest.raises(UsageError, match="inconsistent"):
         ResumableSampler(10, seed=1).load_state_dict({**sd, "position": 11})
+    with pytest.raises(UsageError, match="sampler state must be a mapping, got list"):
+        ResumableSampler(10, seed=1).load_state_dict([sd])  # type: ignore[arg-type]
+    assert ResumableSampler(10, seed=1).last_batch() is None  # nothing handed out yet
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -439,3 +444,15 @@ def test_loader_dispatch() -> None:
     find_resumable_sampler(tracked_sdl)._tracking = True  # as if someone had tracked it
     with pytest.raises(UsageError, match="iterate it directly"):
         loader_state(tracked_sdl)
+
+
+def test_worker_seeding_is_installed_only_where_workers_fetch_batches() -> None:
+    """Without automatic batching the workers fetch single samples: there is no batch to seed, nothing installed."""
+    single = ResumableSampler(8, shuffle=False)
+    loader = DataLoader(list(range(8)), batch_size=None, sampler=single, num_workers=2)
+    check_loader(loader)
+    assert loader.worker_init_fn is None and not single._tag
+    batched = ResumableSampler(8, shuffle=False)
+    loader = DataLoader(list(range(8)), batch_size=2, sampler=batched, num_workers=2)
+    check_loader(loader)
+    assert isinstance(loader.worker_init_fn, WorkerSeeding) and batched._tag
