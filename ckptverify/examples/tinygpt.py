@@ -54,10 +54,10 @@ class TinyGPTConfig:
     dropout: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
-            raise ValueError("d_model must be divisible by n_heads")
         if min(self.vocab_size, self.d_model, self.n_layers, self.n_heads, self.seq_len) < 1:
             raise ValueError("all sizes must be positive")
+        if self.d_model % self.n_heads:
+            raise ValueError("d_model must be divisible by n_heads")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError("dropout must be in [0, 1)")
 

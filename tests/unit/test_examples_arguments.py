@@ -12,6 +12,7 @@ from ckptverify.examples.tinygpt import TinyGPT, TinyGPTConfig
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"d_model": 30, "n_heads": 4}, "divisible by n_heads"),
     ({"n_layers": 0}, "all sizes must be positive"),
+    ({"n_heads": 0}, "all sizes must be positive"),
     ({"dropout": 1.0}, r"dropout must be in \[0, 1\)"),
 ])
 def test_tinygpt_config_refuses(kwargs: dict, message: str) -> None:
