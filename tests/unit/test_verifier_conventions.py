@@ -138,6 +138,22 @@ def test_a_verification_refuses_what_is_not_one() -> None:
             Verification.from_dict(bad)  # type: ignore[arg-type]
 
 
+def test_a_verification_without_a_verdict_says_error_unless_told_why() -> None:
+    assert Verification(path="p", step=None, verdict="unverified").no_verdict == "error"
+    assert Verification(path="p", step=None, verdict="unverified", no_verdict="deleted").deleted
+
+
+def test_a_verification_read_from_someone_elses_stamp_keeps_only_values_of_the_right_type() -> None:
+    from ckptverify.verifier.verification import from_stamp
+
+    got = from_stamp("/c", 4, {"passed": False, "summary": {"error": 1}, "seconds": True, "bytes_checked": "9",
+                               "throttled_s": 1.5, "deep": 1, "errors": ["x", {"check": "zip-crc", "message": "m"}],
+                               "coverage": [3, {"check": "zip-crc"}]})
+    assert (got.verdict, got.stamped, got.first_error) == ("failed", True, "zip-crc: m")
+    assert (got.seconds, got.bytes_checked, got.throttled_s, got.deep) == (0.0, 0, 1.5, True)
+    assert got.errors == ({"check": "zip-crc", "message": "m"},) and got.coverage == ({"check": "zip-crc"},)
+
+
 def test_the_stamper_returns_a_verification(tmp_path: Path) -> None:
     cv.save(_state(1.0), tmp_path / "step_1")
     result = verify_and_stamp(str(tmp_path / "step_1"), step=1)
