@@ -233,6 +233,30 @@ def test_production_options_refuse_a_bad_count_or_resume_mode(tmp_path: Path, kw
         ProductionOptions(run_dir=str(tmp_path), **{"steps": 2, **kwargs})
 
 
+def test_a_run_directory_without_a_readable_run_file_is_refused_naming_it(tmp_path: Path) -> None:
+    from ckptverify.production.mode import RUN_FILE, read_run_file
+
+    with pytest.raises(UsageError, match=r"run\.json cannot be read .*the run directory of a production job"):
+        read_run_file(str(tmp_path))
+    for text, said in (("{not json", "cannot be read"), ("[1]", "does not describe a production job"),
+                       ('{"target": 3}', "does not describe a production job")):
+        (tmp_path / RUN_FILE).write_text(text)
+        with pytest.raises(UsageError, match=said):
+            read_run_file(str(tmp_path))
+    (tmp_path / RUN_FILE).write_text('{"target": "train.py:main"}')
+    assert read_run_file(str(tmp_path))["target"] == "train.py:main"
+
+
+def test_a_training_function_with_no_source_file_is_refused() -> None:
+    from ckptverify.production.mode import target_of
+
+    assert target_of(_production_train).endswith("test_options_api.py:_production_train")
+    scope: dict[str, Any] = {}
+    exec(compile("def train(run):\n    pass\n", "<typed in>", "exec"), scope)
+    with pytest.raises(UsageError, match="production mode needs a function in a file"):
+        target_of(scope["train"])
+
+
 def test_the_background_verifier_refuses_an_unknown_priority_or_isolation_and_a_submit_once_closed(
         tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="priority must be one of idle, low, normal, got 'lowest'"):
