@@ -112,6 +112,30 @@ def test_a_checkpoint_removed_before_its_turn_is_a_deleted_event_not_a_failure(t
     assert [e["event"] for e in read_events(run)] == ["checkpoint-deleted"]
 
 
+def test_a_failing_callback_or_event_log_is_a_warning_and_the_verification_stands(tmp_path: Path) -> None:
+    class _Unwritable:
+        def emit(self, event: str, **fields: Any) -> None:
+            raise PermissionError(13, "Permission denied", "events.jsonl")
+
+    def callback(result: Verification) -> None:
+        raise RuntimeError("the user's callback broke")
+
+    cv.save(_state(1.0), tmp_path / "step_1")
+    fresh = BackgroundVerifier(settle=0.05, isolation="thread")
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            result = fresh.verify_now(tmp_path / "step_1", step=1, options=AfterSave(
+                verify=VerifyOptions(when="inline"), on_verified=callback, events=_Unwritable()))
+    finally:
+        fresh.close(timeout=30)
+    assert result.passed and result.stamped and fresh.last() == result
+    messages = [str(w.message) for w in said]
+    assert any(m.startswith("cannot append the checkpoint-verified event for ") and "Permission denied" in m
+               for m in messages), messages
+    assert "the on_verified callback failed: RuntimeError: the user's callback broke" in messages
+
+
 # ---------------------------------------------------------------------- one result type
 
 
