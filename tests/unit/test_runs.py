@@ -265,3 +265,13 @@ def test_retention_refuses_keeping_none_and_every_run_command_refuses_what_is_no
             with pytest.raises(CheckpointNotFoundError, match="not a directory"):
                 call(where)
     assert afile.read_bytes() == b"x"
+
+
+def test_watch_reports_a_failed_stamp_once_however_many_passes_see_it(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    path = _dcp(root / "step_1", 1.0)
+    inj.flip_in_tensor_payload(path, "w")
+    result = watch(root, interval=0.01, max_passes=4, notify=False, settle=0.0, log=str(tmp_path / "w.jsonl"))
+    assert [r["event"] for r in result.results] == ["failed", "failed"], result.results
+    assert "checked_at" not in result.results[0] and result.results[1]["checked_at"]  # verified, then its stamp
+    assert result.exit_code == 1 and result.state.corrupt == 1
