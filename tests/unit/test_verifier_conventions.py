@@ -271,6 +271,20 @@ def test_a_saved_checkpoint_whose_files_change_while_it_is_checked_gets_no_verdi
     assert event_of(result) == ev.CHECKPOINT_UNVERIFIED and not Path(stamp_path(str(folder))).exists()
 
 
+def test_a_background_check_of_a_save_already_deleted_is_deleted_and_tidies_ckptverifys_files(tmp_path: Path) -> None:
+    from ckptverify.runs.stamp import stamp_path
+    from ckptverify.verifier.saved import check_saved
+
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    Path(stamp_path(str(folder))).write_text("{}")  # retention removed the checkpoint's files, not ckptverify's
+    result, extra = check_saved(str(folder), 1, "auto", settle=0.0)
+    assert result.deleted and event_of(result) == ev.CHECKPOINT_DELETED and extra == {}
+    assert not folder.exists()
+    gone, _ = check_saved(str(tmp_path / "never-there"), 2, "auto", settle=0.0)
+    assert gone.deleted
+
+
 def test_an_answer_to_another_request_is_not_taken_for_this_one(tmp_path: Path) -> None:
     folder = tmp_path / "step_1"
     cv.save(_state(1.0), folder)
