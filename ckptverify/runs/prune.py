@@ -52,15 +52,6 @@ def is_locked(path: str) -> bool:
     return False
 
 
-def _failed(path: str) -> bool:
-    """Whether ``path`` carries a stamp (current or not) of a failed verification."""
-    try:
-        stamp = read_stamp(path)
-    except (OSError, ValueError, RecursionError):
-        return False
-    return stamp is not None and not stamp.passed
-
-
 def prune(run_dir: str | os.PathLike[str], *, keep: int, dry_run: bool = False, jobs: int | None = None) -> PruneResult:
     """Delete all but the ``keep`` newest checkpoints of ``run_dir``, with the module docstring's exceptions;
     ``dry_run`` deletes nothing. Returns what was deleted and what was kept, and why."""
@@ -100,7 +91,7 @@ def prune(run_dir: str | os.PathLike[str], *, keep: int, dry_run: bool = False, 
             why = f"one of the {keep} newest"
         elif cand.path in protected:
             why = protected[cand.path]
-        elif _failed(path):
+        elif (stamp := read_stamp(path)) is not None and not stamp.passed:  # current or not
             why = "failed verification: kept as evidence, never deleted"
         elif cand.kind == "dir" and (is_locked(os.path.join(path, VERIFYING_LOCK))
                                      or is_locked(os.path.join(path, SAVE_MARKER))):

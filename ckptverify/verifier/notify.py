@@ -114,11 +114,7 @@ class DirectoryNotifier:
         """Block until a change or ``timeout``; ``True`` if woken by a change (ignored files never end the wait)."""
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
-            left = deadline - time.monotonic()
-            if self._fd < 0:
-                time.sleep(max(0.0, left))
-                return False
-            ready, _, _ = select.select([self._fd], [], [], max(0.0, left))
+            ready, _, _ = select.select([self._fd], [], [], max(0.0, deadline - time.monotonic()))
             if not ready:
                 return False
             time.sleep(GATHER_SECONDS)

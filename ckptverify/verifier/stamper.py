@@ -45,10 +45,8 @@ class VerifyingLock:
         return self._fd is not None
 
     def acquire(self) -> bool:
-        """Take the lock without blocking; ``False`` if held elsewhere. ``FileNotFoundError`` if the directory is gone.
-        """
-        if self._fd is not None:
-            return True
+        """Take the lock (not held yet) without blocking; ``False`` if held elsewhere. ``FileNotFoundError`` if the
+        directory is gone."""
         if self._single:
             if not os.path.isfile(self._checkpoint):
                 raise FileNotFoundError(self._checkpoint)

@@ -58,18 +58,13 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
 
 
 def _arguments(argv: list[str]) -> tuple[str, int, str | None]:
-    """``--priority``, ``--waiter-nice`` and ``--hurry-fd`` as set by the parent; anything unreadable: lowest priority.
-    """
+    """``--priority``, ``--waiter-nice`` and ``--hurry-fd`` as :class:`VerifierProcess` sets them."""
     parser = argparse.ArgumentParser(prog="python -m ckptverify.verifier.worker", add_help=False)
-    parser.add_argument("--priority", default="idle")
-    parser.add_argument("--waiter-nice", default="0")
+    parser.add_argument("--priority", choices=PRIORITIES, default="idle")
+    parser.add_argument("--waiter-nice", type=int, default=0)
     parser.add_argument("--hurry-fd", default=None)
     args, _ = parser.parse_known_args(argv)
-    try:
-        waiter_nice = int(args.waiter_nice)
-    except ValueError:
-        waiter_nice = 0
-    return (args.priority if args.priority in PRIORITIES else "idle"), waiter_nice, args.hurry_fd
+    return args.priority, args.waiter_nice, args.hurry_fd
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -310,6 +310,8 @@ def test_balance_says_why_not() -> None:
     assert "one work unit alone" in balance([80, 20], 100, 2, 80, 0)["why_not"]
     assert "rank 0 read 70 bytes itself" in balance([70, 30], 100, 3, 20, 70)["why_not"]
     assert "rank 0 read 100 bytes itself" in balance([100, 0], 100, 0, 0, 100)["why_not"]  # only small items
+    # Three units of 5 for 2 ranks: the least-loaded rank gets the third, 10 of 15 bytes, over 0.6.
+    assert balance([10, 5], 15, 3, 5, 0)["why_not"].startswith("the units could not be split more evenly")
     ok = balance([50, 50], 100, 4, 30, 0)
     assert ok["met"] and ok["why_not"] is None and ok["limit_fraction"] == 0.6
 

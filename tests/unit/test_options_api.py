@@ -34,6 +34,7 @@ from ckptverify.errors import (
 from ckptverify.integrations import Verifier
 from ckptverify.options import FAILURE_POLICIES, VerifyOptions
 from ckptverify.ownfiles.manifest import MANIFEST_FILE
+from ckptverify.ownfiles.names import VERIFYING_LOCK
 from ckptverify.runs.stamp import read_stamp
 from ckptverify.verifier import background
 from ckptverify.verifier.background import BackgroundVerifier
@@ -216,6 +217,60 @@ def test_run_main_refuses_a_bad_verify_before_the_job_starts(tmp_path: Path) -> 
     with pytest.raises(TypeError, match="on_verify_failure"):
         cv.Run.main(_production_train(seen), steps=1, run_dir=str(tmp_path), on_verify_failure="raise")
     assert seen == [] and not tmp_path.joinpath("run.json").exists()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"steps": 0}, "steps must be at least 1, got 0"),
+    ({"save_every": 0}, "save_every must be at least 1, got 0"),
+    ({"trace_every": -1}, "trace_every must be at least 1, got -1"),
+    ({"resume": "maybe"}, "resume must be one of 'auto', 'required', 'never', got 'maybe'"),
+])
+def test_production_options_refuse_a_bad_count_or_resume_mode(tmp_path: Path, kwargs: dict[str, Any],
+                                                               match: str) -> None:
+    from ckptverify.production.mode import ProductionOptions
+
+    with pytest.raises(UsageError, match=match):
+        ProductionOptions(run_dir=str(tmp_path), **{"steps": 2, **kwargs})
+
+
+def test_a_run_directory_without_a_readable_run_file_is_refused_naming_it(tmp_path: Path) -> None:
+    from ckptverify.production.mode import RUN_FILE, read_run_file
+
+    with pytest.raises(UsageError, match=r"run\.json cannot be read .*the run directory of a production job"):
+        read_run_file(str(tmp_path))
+    for text, said in (("{not json", "cannot be read"), ("[1]", "does not describe a production job"),
+                       ('{"target": 3}', "does not describe a production job")):
+        (tmp_path / RUN_FILE).write_text(text)
+        with pytest.raises(UsageError, match=said):
+            read_run_file(str(tmp_path))
+    (tmp_path / RUN_FILE).write_text('{"target": "train.py:main"}')
+    assert read_run_file(str(tmp_path))["target"] == "train.py:main"
+
+
+def test_a_training_function_with_no_source_file_is_refused() -> None:
+    from ckptverify.production.mode import target_of
+
+    assert target_of(_production_train).endswith("test_options_api.py:_production_train")
+    scope: dict[str, Any] = {}
+    exec(compile("def train(run):\n    pass\n", "<typed in>", "exec"), scope)
+    with pytest.raises(UsageError, match="production mode needs a function in a file"):
+        target_of(scope["train"])
+
+
+def test_the_background_verifier_refuses_an_unknown_priority_or_isolation_and_a_submit_once_closed(
+        tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="priority must be one of idle, low, normal, got 'lowest'"):
+        BackgroundVerifier(priority="lowest")
+    with pytest.raises(UsageError, match="isolation must be one of process, thread, got 'fork'"):
+        BackgroundVerifier(isolation="fork")
+    closed = BackgroundVerifier(isolation="thread")
+    assert closed.close(timeout=5)
+    ckpt = tmp_path / "step_1"
+    ckpt.mkdir()
+    (ckpt / "model.pt").write_bytes(b"x")
+    with pytest.raises(UsageError, match="this BackgroundVerifier was closed"):
+        closed.submit(ckpt, step=1)
+    assert not (ckpt / VERIFYING_LOCK).exists()  # the lock taken for the refused submission was let go
 
 
 # ------------------------------------------------------------------ integrations

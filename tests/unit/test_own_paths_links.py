@@ -5,10 +5,12 @@ refused with a clear message and nothing is moved, never copied and deleted."""
 
 from __future__ import annotations
 
+import datetime
 import errno
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -120,6 +122,30 @@ def test_a_name_swapped_for_a_link_after_the_quarantine_was_opened_does_not_redi
     monkeypatch.setattr(latest_mod, "open_own_dir", then_swap)
     moved = move_aside(run, "step_4")
     assert list(out.iterdir()) == [] and _files(run / "kept" / moved.split("/", 1)[1]) == before
+
+
+def test_a_quarantine_name_taken_gets_a_counter_and_none_free_moves_nothing(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    class _Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz: datetime.tzinfo | None = None) -> _Frozen:  # type: ignore[override]
+            return cls(2026, 1, 2, 3, 4, 5, tzinfo=tz)
+
+    monkeypatch.setattr(latest_mod, "_dt", types.SimpleNamespace(datetime=_Frozen, UTC=datetime.UTC))
+    run = tmp_path / "run"
+    before = _evidence(run)
+    earlier = run / QUARANTINE_DIR / "step_4.moved-20260102T030405Z"
+    earlier.mkdir(parents=True)
+    (earlier / "kept").write_bytes(b"earlier evidence")
+    assert move_aside(run, "step_4") == f"{QUARANTINE_DIR}/step_4.moved-20260102T030405Z-1"
+    assert (earlier / "kept").read_bytes() == b"earlier evidence"
+    assert _files(run / QUARANTINE_DIR / "step_4.moved-20260102T030405Z-1") == before
+    again = _evidence(run)
+    for n in range(2, 1000):
+        (run / QUARANTINE_DIR / f"step_4.moved-20260102T030405Z-{n}").write_bytes(b"")
+    with pytest.raises(CkptVerifyError, match=r"no free name in .* for step_4; nothing was moved"):
+        move_aside(run, "step_4")
+    assert _files(run / "step_4") == again
 
 
 def _production(run: Path, **kw: object) -> mode.ProductionOptions:

@@ -698,7 +698,7 @@ def test_a_deep_check_in_parts_gives_the_findings_of_one_process_and_each_node_r
     assert fingerprinted == [c.count for c in whole.coverage if c.check == "fingerprint"] == [6]
 
 
-@pytest.mark.parametrize("planted", ["none", "garbage", "foreign", "chunk-outside"])
+@pytest.mark.parametrize("planted", ["none", "garbage", "foreign", "chunk-outside", "no-piece"])
 def test_a_deep_part_without_its_own_pieces_did_not_report(tmp_path: Path, planted: str) -> None:
     path = _deep_planned(tmp_path)
     assert parts_mod.part_job(path, 1, wait_s=0)["written"]
@@ -707,7 +707,8 @@ def test_a_deep_part_without_its_own_pieces_did_not_report(tmp_path: Path, plant
     unit, scan = next(r for r in data["deep"] if r[0][0] == "payload")
     data["deep"] = {"none": None, "garbage": [[1, 2]],
                     "foreign": [[_moved(unit, file="__0_0.distcp"), scan]],  # a file that is not its own
-                    "chunk-outside": [[_moved(unit, chunk_offsets=[10**9]), scan]]}[planted]
+                    "chunk-outside": [[_moved(unit, chunk_offsets=[10**9]), scan]],
+                    "no-piece": [[unit[:3], scan]]}[planted]  # a payload unit that names no piece
     verdict.write_text(json.dumps(data))
     result = _gather_deep(path, wait_s=0.5)
     assert result.verdict == "unverified" and not (Path(path) / STAMP_FILE).exists()

@@ -250,3 +250,28 @@ def test_a_stamp_write_cut_short_leaves_a_temporary_file_that_is_noted_not_warne
     assert any(f.check == "file-unreferenced" and ".ckptverify-stamp-abc123" in f.message for f in report.findings)
     (path / "planted.bin").write_bytes(b"x")  # anything else is still a warning
     assert [f.location.file for f in verify_checkpoint(path).warnings] == ["planted.bin"]
+
+
+def test_retention_refuses_keeping_none_and_every_run_command_refuses_what_is_not_a_directory(tmp_path: Path) -> None:
+    from ckptverify.errors import CheckpointNotFoundError, UsageError
+    from ckptverify.runs.scan import scan_run_dir
+
+    with pytest.raises(UsageError, match="keep must be at least 1, got 0"):
+        prune(tmp_path, keep=0)
+    afile = tmp_path / "model.pt"
+    afile.write_bytes(b"x")
+    for call in (lambda p: prune(p, keep=1), latest_verified, scan_run_dir, watch):
+        for where in (tmp_path / "missing", afile):
+            with pytest.raises(CheckpointNotFoundError, match="not a directory"):
+                call(where)
+    assert afile.read_bytes() == b"x"
+
+
+def test_watch_reports_a_failed_stamp_once_however_many_passes_see_it(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    path = _dcp(root / "step_1", 1.0)
+    inj.flip_in_tensor_payload(path, "w")
+    result = watch(root, interval=0.01, max_passes=4, notify=False, settle=0.0, log=str(tmp_path / "w.jsonl"))
+    assert [r["event"] for r in result.results] == ["failed", "failed"], result.results
+    assert "checked_at" not in result.results[0] and result.results[1]["checked_at"]  # verified, then its stamp
+    assert result.exit_code == 1 and result.state.corrupt == 1

@@ -112,6 +112,30 @@ def test_a_checkpoint_removed_before_its_turn_is_a_deleted_event_not_a_failure(t
     assert [e["event"] for e in read_events(run)] == ["checkpoint-deleted"]
 
 
+def test_a_failing_callback_or_event_log_is_a_warning_and_the_verification_stands(tmp_path: Path) -> None:
+    class _Unwritable:
+        def emit(self, event: str, **fields: Any) -> None:
+            raise PermissionError(13, "Permission denied", "events.jsonl")
+
+    def callback(result: Verification) -> None:
+        raise RuntimeError("the user's callback broke")
+
+    cv.save(_state(1.0), tmp_path / "step_1")
+    fresh = BackgroundVerifier(settle=0.05, isolation="thread")
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            result = fresh.verify_now(tmp_path / "step_1", step=1, options=AfterSave(
+                verify=VerifyOptions(when="inline"), on_verified=callback, events=_Unwritable()))
+    finally:
+        fresh.close(timeout=30)
+    assert result.passed and result.stamped and fresh.last() == result
+    messages = [str(w.message) for w in said]
+    assert any(m.startswith("cannot append the checkpoint-verified event for ") and "Permission denied" in m
+               for m in messages), messages
+    assert "the on_verified callback failed: RuntimeError: the user's callback broke" in messages
+
+
 # ---------------------------------------------------------------------- one result type
 
 
@@ -136,6 +160,22 @@ def test_a_verification_refuses_what_is_not_one() -> None:
                 {"path": "p", "step": 1, "verdict": "unverified", "no_verdict": "sleepy"}):
         with pytest.raises(TypeError):
             Verification.from_dict(bad)  # type: ignore[arg-type]
+
+
+def test_a_verification_without_a_verdict_says_error_unless_told_why() -> None:
+    assert Verification(path="p", step=None, verdict="unverified").no_verdict == "error"
+    assert Verification(path="p", step=None, verdict="unverified", no_verdict="deleted").deleted
+
+
+def test_a_verification_read_from_someone_elses_stamp_keeps_only_values_of_the_right_type() -> None:
+    from ckptverify.verifier.verification import from_stamp
+
+    got = from_stamp("/c", 4, {"passed": False, "summary": {"error": 1}, "seconds": True, "bytes_checked": "9",
+                               "throttled_s": 1.5, "deep": 1, "errors": ["x", {"check": "zip-crc", "message": "m"}],
+                               "coverage": [3, {"check": "zip-crc"}]})
+    assert (got.verdict, got.stamped, got.first_error) == ("failed", True, "zip-crc: m")
+    assert (got.seconds, got.bytes_checked, got.throttled_s, got.deep) == (0.0, 0, 1.5, True)
+    assert got.errors == ({"check": "zip-crc", "message": "m"},) and got.coverage == ({"check": "zip-crc"},)
 
 
 def test_the_stamper_returns_a_verification(tmp_path: Path) -> None:
@@ -229,6 +269,20 @@ def test_a_saved_checkpoint_whose_files_change_while_it_is_checked_gets_no_verdi
     result, _ = check_saved(str(folder), 1, False)
     assert result.verdict == "unverified" and result.no_verdict == "changed", result
     assert event_of(result) == ev.CHECKPOINT_UNVERIFIED and not Path(stamp_path(str(folder))).exists()
+
+
+def test_a_background_check_of_a_save_already_deleted_is_deleted_and_tidies_ckptverifys_files(tmp_path: Path) -> None:
+    from ckptverify.runs.stamp import stamp_path
+    from ckptverify.verifier.saved import check_saved
+
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    Path(stamp_path(str(folder))).write_text("{}")  # retention removed the checkpoint's files, not ckptverify's
+    result, extra = check_saved(str(folder), 1, "auto", settle=0.0)
+    assert result.deleted and event_of(result) == ev.CHECKPOINT_DELETED and extra == {}
+    assert not folder.exists()
+    gone, _ = check_saved(str(tmp_path / "never-there"), 2, "auto", settle=0.0)
+    assert gone.deleted
 
 
 def test_an_answer_to_another_request_is_not_taken_for_this_one(tmp_path: Path) -> None:

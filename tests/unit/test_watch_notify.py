@@ -1,4 +1,5 @@
-"""The watcher wakes on change notification (inotify) instead of waiting out its polling interval."""
+"""The watcher wakes on change notification (inotify) instead of waiting out its polling interval; a pass with
+nothing to judge says why."""
 
 from __future__ import annotations
 
@@ -122,3 +123,20 @@ def test_watch_verifies_and_stamps_every_format_once_it_has_settled(tmp_path: Pa
     assert found.path.endswith("step_10")
     assert [(s["path"], s["state"], s["how"]) for s in found.skipped] == [
         ("epoch=0-step=30.ckpt", "corrupt", "stamp"), ("checkpoint-20", "uncheckable", "stamp")]
+
+
+def test_a_pass_with_nothing_finished_says_so_and_exits_1(tmp_path: Path) -> None:
+    torn = tmp_path / "step_1"
+    _dcp(torn, 1.0)
+    (torn / ".metadata").unlink()  # a DCP save not committed (still being written, or torn)
+    result = watch(tmp_path, once=True, notify=False)
+    assert result.nothing == "1 checkpoint(s) found, none finished (still being written, or torn)"
+    assert result.exit_code == 1 and result.state.pending == 1
+
+
+def test_a_pass_whose_checkpoints_were_all_removed_before_their_verification_says_so_and_exits_2() -> None:
+    from ckptverify.verifier.watch import RunState, WatchResult
+
+    gone = WatchResult(state=RunState(checkpoints=2, deleted=2))
+    assert gone.nothing == "2 checkpoint(s) found, all removed before they could be verified"
+    assert gone.exit_code == 2
