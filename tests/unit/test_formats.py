@@ -472,6 +472,13 @@ def test_a_folder_of_files_is_fingerprinted_and_a_changed_byte_is_blamed_on_its_
     assert any(f.check == "fingerprint" and f.location.fqn == tensor for f in deep.errors)
     (root / "extra.txt").write_text("planted")
     assert "manifest-unlisted" in {f.check for f in verify_checkpoint(root).warnings}
+    with open(root / "config.json", "a") as f:
+        f.write(" ")
+    said = [f.message for f in verify_checkpoint(root).errors if f.check == "manifest-digest"]
+    assert any(m.startswith("config.json is ") and "bytes when fingerprinted" in m for m in said), said
+    (root / "config.json").unlink()
+    said = [f.message for f in verify_checkpoint(root).errors if f.check == "manifest-digest"]
+    assert "config.json was fingerprinted but is gone" in said, said
 
 
 def flip_safetensors(path: Path) -> str:
