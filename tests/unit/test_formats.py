@@ -633,3 +633,31 @@ def test_a_file_that_changes_while_it_is_digested_gets_no_manifest(pt_file: Path
     refusal = next(f for f in report.findings if f.check == "fingerprint-refused")
     assert refusal.message.startswith("a file changed while it was digested")
     assert any(f.check == "file-changed" and f.location.file == pt_file.name for f in report.findings)
+
+
+def test_a_single_file_without_crcs_pickle_or_end_says_so(tmp_path: Path, monkeypatch) -> None:
+    from safetensors.torch import save_file
+
+    from ckptverify.checks import single
+
+    bare = tmp_path / "bare.pt"
+    writer = torch._C.PyTorchFileWriter(str(bare))  # torch's own zip writer, but no data.pkl in it
+    writer.write_record("data/0", b"\0" * 8, 8)
+    writer.write_end_of_file()
+    assert [(f.check, f.message) for f in check_file(str(bare))[0]] == [
+        ("zip-structure", "bare.pt has no data.pkl record")]
+    blob = tmp_path / "m.safetensors"
+    save_file({"w": torch.ones(2)}, str(blob))
+    with open(blob, "ab") as f:
+        f.write(b"xx")
+    assert "m.safetensors holds 2 bytes after its last tensor" in [
+        f.message for f in check_file(str(blob))[0] if f.check == "bytes-unreferenced"]
+    plain = tmp_path / "plain.pt"
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"w": torch.arange(4.0)}, plain)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert [f.check for f in check_file(str(plain))[0]] == ["content-uncheckable"]
+    monkeypatch.setattr(single, "MAX_PICKLE_BYTES", 10)
+    assert [f.check for f in check_file(str(plain))[0]] == ["content-uncheckable", "pickle-unread"]
