@@ -195,6 +195,26 @@ def test_a_sharded_hugging_face_folder_matches_its_index(tmp_path: Path) -> None
     assert "json-invalid" in {f.check for f in _errors(check_folder(str(root))[0])}
 
 
+def test_an_index_that_leaves_out_a_tensor_or_a_shard_or_maps_nothing_is_reported(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    root = _hf_folder(tmp_path / "hf")
+    save_file({"old.weight": torch.ones(2)}, str(root / "model-00003-of-00003.safetensors"))
+    index_file = root / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    del index["weight_map"]["head.bias"]
+    index_file.write_text(json.dumps(index))
+    said = sorted((f.check, f.message) for f in check_folder(str(root))[0] if f.check.startswith("index"))
+    assert said == [
+        ("index-mismatch", "model-00002-of-00002.safetensors holds 'head.bias', which model.safetensors.index.json "
+                           "does not map to it"),
+        ("index-mismatch", "model-00003-of-00003.safetensors is not named by model.safetensors.index.json: a "
+                           "leftover shard, or the index is stale")]
+    index_file.write_text(json.dumps({"weight_map": ["embed.weight"]}))
+    assert [f.message for f in check_folder(str(root))[0] if f.check == "index-invalid"] == [
+        "model.safetensors.index.json has no weight_map of tensor names to shard files"]
+
+
 def test_side_files_parse_with_the_safe_reader_and_a_framework_nan_is_not_a_failure(tmp_path: Path) -> None:
     root = _hf_folder(tmp_path / "hf")
     # Python's json.dumps writes a diverged loss as NaN: a trainer state with one is valid, not damage.
