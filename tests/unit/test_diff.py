@@ -185,3 +185,10 @@ def test_a_prefix_mapping_of_another_type_is_a_usage_error():
     for spec in (5, ("a.",), ("a.", 5)):
         with pytest.raises(UsageError, match="expected 'A_PREFIX=B_PREFIX' or a pair of strings"):
             parse_prefix_map([spec])
+
+
+def test_every_tensor_subclass_the_reader_accepts_has_a_decoder():
+    from ckptverify.audit import diff
+    from ckptverify.safeparse.torchsave import SUBCLASSES
+
+    assert set(diff._DECODERS) == set(SUBCLASSES)
