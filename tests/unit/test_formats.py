@@ -681,3 +681,12 @@ def test_a_single_file_without_crcs_pickle_or_end_says_so(tmp_path: Path, monkey
     assert [f.check for f in check_file(str(plain))[0]] == ["content-uncheckable"]
     monkeypatch.setattr(single, "MAX_PICKLE_BYTES", 10)
     assert [f.check for f in check_file(str(plain))[0]] == ["content-uncheckable", "pickle-unread"]
+
+
+def test_fingerprinting_a_path_that_does_not_exist_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.errors import CheckpointNotFoundError
+
+    with pytest.raises(CheckpointNotFoundError, match="checkpoint path does not exist"):
+        fingerprint_checkpoint(tmp_path / "nowhere")
+    assert list(tmp_path.iterdir()) == []
