@@ -666,6 +666,17 @@ def test_a_single_file_without_crcs_pickle_or_end_says_so(tmp_path: Path, monkey
     writer.write_end_of_file()
     assert [(f.check, f.message) for f in check_file(str(bare))[0]] == [
         ("zip-structure", "bare.pt has no data.pkl record")]
+    full, lost = tmp_path / "full.pt", tmp_path / "lost.pt"
+    torch.save({"w": torch.arange(4.0)}, full)
+    writer = torch._C.PyTorchFileWriter(str(lost))  # the same pickle, without the record of its one storage
+    with zipfile.ZipFile(full) as z:
+        for name in z.namelist():
+            record = name.split("/", 1)[1]
+            if record == "data.pkl":
+                writer.write_record(record, z.read(name), len(z.read(name)))
+    writer.write_end_of_file()
+    assert [(f.check, f.message) for f in check_file(str(lost))[0]] == [
+        ("tensor-record", "lost.pt: tensor 'w' has no storage record data/0")]
     blob = tmp_path / "m.safetensors"
     save_file({"w": torch.ones(2)}, str(blob))
     with open(blob, "ab") as f:

@@ -435,3 +435,20 @@ def test_a_hostile_integrity_json_is_a_finding_not_a_traceback(tmp_path: Path, c
                for f in report.errors), _checks(report)
     result = CliRunner().invoke(main, ["verify", str(ckpt), "--json"])
     assert (result.exit_code == 1 and result.exception is None) or isinstance(result.exception, SystemExit)
+
+
+def test_a_dangling_link_where_a_shard_should_be_is_not_opened(tmp_path: Path) -> None:
+    from ckptverify.checks.structure import check_files, stat_files
+    from ckptverify.dcp.layout import Layout
+
+    os.symlink(tmp_path / "gone", tmp_path / "__0_0.distcp")  # points inside the checkpoint, at nothing
+    findings = check_files(str(tmp_path), Layout(), stat_files(str(tmp_path), ["__0_0.distcp"]), unreferenced=False)
+    assert [(f.check, f.message.split(";")[0]) for f in findings] == [
+        ("file-unsafe", "__0_0.distcp cannot be examined (No such file or directory)")]
+
+
+def test_verify_refuses_fewer_than_one_job(tmp_path: Path) -> None:
+    from ckptverify.errors import UsageError
+
+    with pytest.raises(UsageError, match="--jobs must be at least 1, got 0"):
+        verify_checkpoint(tmp_path, jobs=0)
