@@ -284,6 +284,26 @@ def test_a_zstd_item_that_cannot_be_decoded_here_is_uncheckable_and_deep_does_no
     assert {c.check: c.count for c in deep.coverage}["fingerprint"] == 0
 
 
+def test_a_zstd_item_that_fails_to_decode_or_decodes_to_no_archive_is_an_error(tmp_path: Path, monkeypatch) -> None:
+    from ckptverify.audit.verify import verify_checkpoint
+    from ckptverify.dcp import transforms
+
+    ckpt = zstd_ckpt(tmp_path / "z")
+
+    def damaged(raw, limit):
+        raise TransformError("frame checksum mismatch")
+
+    monkeypatch.setattr(transforms, "_zstd", damaged)
+    errors = verify_checkpoint(ckpt).errors
+    assert errors and {f.check for f in errors} == {"stream-transform"}
+    assert all("frame checksum mismatch" in f.message for f in errors)
+    monkeypatch.setattr(transforms, "_zstd", lambda raw, limit: b"not a zip archive at all")
+    errors = verify_checkpoint(ckpt).errors
+    assert errors and {f.check for f in errors} == {"zip-structure"}
+    assert all("decodes (['stream.zstd/1']) to something that is not an intact torch.save archive" in f.message
+               for f in errors)
+
+
 def test_dcps_own_zstd_streams_decode_by_the_one_bounded_decoder() -> None:
     """DCP's ZStandard extension writes frames that declare no size (a streaming writer, flushed mid-stream); they
     decode exactly, and are bounded by their blocks before anything is inflated."""
