@@ -59,9 +59,11 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     """
     root = os.fspath(path)
     check_settings(digest, block_bytes)
-    single = paths.lexists(root) and not paths.isdir(root)
-    manifest_path = os.path.join(root, MANIFEST_FILE) if not single else file_manifest_path(root)
-    if paths.lexists(manifest_path) and (single or paths.isdir(root)):
+    if not paths.lexists(root):
+        raise CheckpointNotFoundError(f"checkpoint path does not exist: {root}")
+    single = not paths.isdir(root)
+    manifest_path = file_manifest_path(root) if single else os.path.join(root, MANIFEST_FILE)
+    if paths.lexists(manifest_path):
         if not force:
             raise CkptVerifyError(f"{manifest_path} exists; pass --force to replace it")
         if paths.islink(manifest_path) or not paths.isfile(manifest_path):
@@ -69,8 +71,6 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                                       "special file); it is not replaced: remove it by hand if it is yours")
 
     started = time.perf_counter()
-    if not single and not paths.isdir(root):
-        raise CheckpointNotFoundError(f"checkpoint path does not exist: {root}")
     from ckptverify.audit.verify import _other_format
 
     if single or _other_format(root)[0] == "folder":

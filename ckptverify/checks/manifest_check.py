@@ -136,13 +136,13 @@ def block_tasks(manifest: Manifest, matched: dict[int, Item], opened: dict[str, 
     """Split every matched item's blocks into hashing tasks of at most ``max_bytes`` (whole blocks)."""
     tasks: list[BlockTask] = []
     bb = manifest.block_bytes
-    per_task = max(1, max_bytes // bb) if bb else 1
+    per_task = max(1, max_bytes // bb)
     for n, item in matched.items():
         f = opened.get(item.file)
         if f is None or item.end > f.size:
             continue
         entry = manifest.items[n]
-        nblocks = math.ceil(entry.length / bb) if bb and entry.blocks else 0
+        nblocks = math.ceil(entry.length / bb) if entry.blocks else 0
         if nblocks == 0:
             tasks.append(BlockTask(item.file, n, 0, 0, item.offset, item.end))  # whole-item digest
             continue
@@ -208,7 +208,7 @@ def judge_blocks(manifest: Manifest, task: BlockTask, item: Item, digests: list[
     out: list[Finding] = []
     bb = manifest.block_bytes
     for i, digest in enumerate(digests, start=task.first):
-        expected = entry.blocks[i] if i < len(entry.blocks) else None
+        expected = entry.blocks[i]
         if digest == expected:
             continue
         start = item.offset + i * bb

@@ -3,7 +3,6 @@ mean (used by ``watch`` and ``--metrics-file``); below the core so the core neve
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 
@@ -13,15 +12,11 @@ __all__ = ["format_value", "render_gauges", "write_gauges"]
 
 
 def format_value(value: float | int | bool) -> str:
-    """A sample value for the text format: integers exactly, floats by ``repr`` (round-trip), ``NaN``, ``+Inf``,
-    ``-Inf``."""
+    """A sample value for the text format: integers exactly, floats by ``repr`` (round-trip). Every gauge is a count,
+    a step, a size or a time: never NaN or infinite."""
     if isinstance(value, int):  # bool included: 1 or 0
         return str(int(value))
     value = float(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
     if value.is_integer() and abs(value) < 2**63:
         return str(int(value))
     return repr(value)

@@ -146,6 +146,18 @@ def test_views_that_lay_out_more_than_they_store_share_one_work_bound(tmp_path: 
     assert _counted(report, "fingerprint") == 2
 
 
+def test_a_strided_view_over_more_stored_bytes_than_the_deep_check_holds_is_a_limit() -> None:
+    """A transposed view is read back whole: past ``view_limit`` stored bytes it is a limit, not damage."""
+    from ckptverify.formats.describe import Payload
+
+    transposed = Payload(file="x", offset=0, length=4096, dtype="float32", shape=(32, 32), stride=(1, 32))
+    assert deep.view_limited(transposed, 4096) is None and deep.view_limited(transposed, None) is None
+    assert deep.view_limited(transposed, 1024) == ("a strided view (shape [32, 32], stride [1, 32]) over 4096 stored "
+                                                   "bytes, more than the 1024 the deep check holds at once")
+    scan = deep.scan_payload(None, "x", transposed, (32, 32), view_limit=1024)
+    assert scan.limited and not scan.unreadable and scan.value((32, 32)) is None
+
+
 # ------------------------------------------------------------------------------------ crafted subclass records
 
 

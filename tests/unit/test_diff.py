@@ -72,6 +72,17 @@ def test_tensor_difference_measures_ulps_and_magnitudes():
     assert d["differing"] == 1 and d["max_ulp"] == 1
     assert tensor_difference(torch.ones(3, dtype=torch.bool), torch.ones(3, dtype=torch.bool))["differing"] == 0
 
+    # float64: a negative pair one step apart, and the two ends of the line (more than int64 apart).
+    d = tensor_difference(torch.tensor([-1.0], dtype=torch.float64),
+                          torch.tensor([-1.0], dtype=torch.float64).nextafter(torch.tensor(-2.0, dtype=torch.float64)))
+    assert d["differing"] == 1 and d["max_ulp"] == 1
+    top = torch.finfo(torch.float64).max
+    d = tensor_difference(torch.tensor([top], dtype=torch.float64), torch.tensor([-top], dtype=torch.float64))
+    assert d["max_ulp"] == 2 * 0x7FEFFFFFFFFFFFFF
+    # complex: an element whose real and imaginary parts both differ counts once
+    d = tensor_difference(torch.tensor([1 + 1j, 2 + 2j]), torch.tensor([1 + 1j, 3 + 3j]))
+    assert d["differing"] == 1 and d["first_index"] == [1] and d["max_ulp"] is None
+
 
 # ---- every format, and never passing on nothing -------------------------------------------------------------
 
@@ -160,3 +171,24 @@ def test_two_single_files_compare_tensors_and_values(tmp_path):
     assert same.passed and _count(same) == 1 and _count(same, "diff-value") == 2
     other = diff_checkpoints(tmp_path / "a.pt", tmp_path / "c.pt")
     assert _changed(other) == {"w"} and {f.location.fqn for f in other.errors if f.check == "diff-value"} == {"step"}
+    torch.save({"w": torch.arange(4.0), "step": 3, "cfg": {"lr": 0.1}}, tmp_path / "d.pt")
+    shorter = diff_checkpoints(tmp_path / "a.pt", tmp_path / "d.pt")
+    assert [f.message for f in shorter.errors if f.check == "diff-tensor"] == [
+        "'w' is float32[6] in A and float32[4] in B"]
+
+
+def test_a_prefix_mapping_of_another_type_is_a_usage_error():
+    from ckptverify.audit.diff import parse_prefix_map
+    from ckptverify.errors import UsageError
+
+    assert parse_prefix_map(["a.=b.", ("c.", "")]) == [("a.", "b."), ("c.", "")]
+    for spec in (5, ("a.",), ("a.", 5)):
+        with pytest.raises(UsageError, match="expected 'A_PREFIX=B_PREFIX' or a pair of strings"):
+            parse_prefix_map([spec])
+
+
+def test_every_tensor_subclass_the_reader_accepts_has_a_decoder():
+    from ckptverify.audit import diff
+    from ckptverify.safeparse.torchsave import SUBCLASSES
+
+    assert set(diff._DECODERS) == set(SUBCLASSES)

@@ -195,6 +195,26 @@ def test_a_sharded_hugging_face_folder_matches_its_index(tmp_path: Path) -> None
     assert "json-invalid" in {f.check for f in _errors(check_folder(str(root))[0])}
 
 
+def test_an_index_that_leaves_out_a_tensor_or_a_shard_or_maps_nothing_is_reported(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    root = _hf_folder(tmp_path / "hf")
+    save_file({"old.weight": torch.ones(2)}, str(root / "model-00003-of-00003.safetensors"))
+    index_file = root / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    del index["weight_map"]["head.bias"]
+    index_file.write_text(json.dumps(index))
+    said = sorted((f.check, f.message) for f in check_folder(str(root))[0] if f.check.startswith("index"))
+    assert said == [
+        ("index-mismatch", "model-00002-of-00002.safetensors holds 'head.bias', which model.safetensors.index.json "
+                           "does not map to it"),
+        ("index-mismatch", "model-00003-of-00003.safetensors is not named by model.safetensors.index.json: a "
+                           "leftover shard, or the index is stale")]
+    index_file.write_text(json.dumps({"weight_map": ["embed.weight"]}))
+    assert [f.message for f in check_folder(str(root))[0] if f.check == "index-invalid"] == [
+        "model.safetensors.index.json has no weight_map of tensor names to shard files"]
+
+
 def test_side_files_parse_with_the_safe_reader_and_a_framework_nan_is_not_a_failure(tmp_path: Path) -> None:
     root = _hf_folder(tmp_path / "hf")
     # Python's json.dumps writes a diverged loss as NaN: a trainer state with one is valid, not damage.
@@ -262,6 +282,26 @@ def test_a_zstd_item_that_cannot_be_decoded_here_is_uncheckable_and_deep_does_no
     deep = verify_checkpoint(ckpt, deep=True)
     assert "deep-nothing-rebuilt" in {f.check for f in deep.errors}
     assert {c.check: c.count for c in deep.coverage}["fingerprint"] == 0
+
+
+def test_a_zstd_item_that_fails_to_decode_or_decodes_to_no_archive_is_an_error(tmp_path: Path, monkeypatch) -> None:
+    from ckptverify.audit.verify import verify_checkpoint
+    from ckptverify.dcp import transforms
+
+    ckpt = zstd_ckpt(tmp_path / "z")
+
+    def damaged(raw, limit):
+        raise TransformError("frame checksum mismatch")
+
+    monkeypatch.setattr(transforms, "_zstd", damaged)
+    errors = verify_checkpoint(ckpt).errors
+    assert errors and {f.check for f in errors} == {"stream-transform"}
+    assert all("frame checksum mismatch" in f.message for f in errors)
+    monkeypatch.setattr(transforms, "_zstd", lambda raw, limit: b"not a zip archive at all")
+    errors = verify_checkpoint(ckpt).errors
+    assert errors and {f.check for f in errors} == {"zip-structure"}
+    assert all("decodes (['stream.zstd/1']) to something that is not an intact torch.save archive" in f.message
+               for f in errors)
 
 
 def test_dcps_own_zstd_streams_decode_by_the_one_bounded_decoder() -> None:
@@ -472,6 +512,13 @@ def test_a_folder_of_files_is_fingerprinted_and_a_changed_byte_is_blamed_on_its_
     assert any(f.check == "fingerprint" and f.location.fqn == tensor for f in deep.errors)
     (root / "extra.txt").write_text("planted")
     assert "manifest-unlisted" in {f.check for f in verify_checkpoint(root).warnings}
+    with open(root / "config.json", "a") as f:
+        f.write(" ")
+    said = [f.message for f in verify_checkpoint(root).errors if f.check == "manifest-digest"]
+    assert any(m.startswith("config.json is ") and "bytes when fingerprinted" in m for m in said), said
+    (root / "config.json").unlink()
+    said = [f.message for f in verify_checkpoint(root).errors if f.check == "manifest-digest"]
+    assert "config.json was fingerprinted but is gone" in said, said
 
 
 def flip_safetensors(path: Path) -> str:
@@ -626,3 +673,51 @@ def test_a_file_that_changes_while_it_is_digested_gets_no_manifest(pt_file: Path
     refusal = next(f for f in report.findings if f.check == "fingerprint-refused")
     assert refusal.message.startswith("a file changed while it was digested")
     assert any(f.check == "file-changed" and f.location.file == pt_file.name for f in report.findings)
+
+
+def test_a_single_file_without_crcs_pickle_or_end_says_so(tmp_path: Path, monkeypatch) -> None:
+    from safetensors.torch import save_file
+
+    from ckptverify.checks import single
+
+    bare = tmp_path / "bare.pt"
+    writer = torch._C.PyTorchFileWriter(str(bare))  # torch's own zip writer, but no data.pkl in it
+    writer.write_record("data/0", b"\0" * 8, 8)
+    writer.write_end_of_file()
+    assert [(f.check, f.message) for f in check_file(str(bare))[0]] == [
+        ("zip-structure", "bare.pt has no data.pkl record")]
+    full, lost = tmp_path / "full.pt", tmp_path / "lost.pt"
+    torch.save({"w": torch.arange(4.0)}, full)
+    writer = torch._C.PyTorchFileWriter(str(lost))  # the same pickle, without the record of its one storage
+    with zipfile.ZipFile(full) as z:
+        for name in z.namelist():
+            record = name.split("/", 1)[1]
+            if record == "data.pkl":
+                writer.write_record(record, z.read(name), len(z.read(name)))
+    writer.write_end_of_file()
+    assert [(f.check, f.message) for f in check_file(str(lost))[0]] == [
+        ("tensor-record", "lost.pt: tensor 'w' has no storage record data/0")]
+    blob = tmp_path / "m.safetensors"
+    save_file({"w": torch.ones(2)}, str(blob))
+    with open(blob, "ab") as f:
+        f.write(b"xx")
+    assert "m.safetensors holds 2 bytes after its last tensor" in [
+        f.message for f in check_file(str(blob))[0] if f.check == "bytes-unreferenced"]
+    plain = tmp_path / "plain.pt"
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"w": torch.arange(4.0)}, plain)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert [f.check for f in check_file(str(plain))[0]] == ["content-uncheckable"]
+    monkeypatch.setattr(single, "MAX_PICKLE_BYTES", 10)
+    assert [f.check for f in check_file(str(plain))[0]] == ["content-uncheckable", "pickle-unread"]
+
+
+def test_fingerprinting_a_path_that_does_not_exist_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.errors import CheckpointNotFoundError
+
+    with pytest.raises(CheckpointNotFoundError, match="checkpoint path does not exist"):
+        fingerprint_checkpoint(tmp_path / "nowhere")
+    assert list(tmp_path.iterdir()) == []

@@ -111,3 +111,41 @@ def test_block_strings_refuse_what_the_field_check_refused() -> None:
     for bad in ([Text("0" * 32)], ["0" * 32, 5], ["a" * 129], ["ab\x00"], [None]):
         with pytest.raises(ValueError):
             mf._block_strings(bad)
+
+
+BAD_TENSOR_ENTRIES = {
+    "a long dtype": ({"dtype": "f" * 65}, "is malformed"),
+    "too many dims": ({"shape": [1] * 65}, "is malformed"),
+    "an oversized fingerprint": ({"fingerprint": "f" * 257}, "has an oversized fingerprint"),
+    "too many parts": ({"parts": {f"p{i}": "0" * 32 for i in range(17)}}, "has malformed parts"),
+    "parts not an object": ({"parts": ["qdata"]}, "tensor parts are not an object"),
+    "a long part name": ({"parts": {"p" * 65: "0" * 32}}, "wrong structure"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_TENSOR_ENTRIES), ids=list(BAD_TENSOR_ENTRIES))
+def test_a_bad_tensor_entry_is_refused(adopted: Path, tmp_path: Path, bad: str) -> None:
+    import shutil
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(adopted, root)
+    fields, said = BAD_TENSOR_ENTRIES[bad]
+    _rewrite(root, lambda body: body["tensors"]["w"].update(fields))
+    with pytest.raises(ManifestError, match=said):
+        mf.read_manifest(str(root))
+
+
+@pytest.mark.parametrize(("field", "value", "said"), [
+    ("schema", "other", "not a ckptverify manifest"),
+    ("schema_version", 99, "schema version 99 is not supported"),
+    ("source", "copied", "neither 'save' nor 'fingerprint'"),
+])
+def test_a_manifest_of_another_schema_or_source_is_refused(adopted: Path, tmp_path: Path, field: str, value: Any,
+                                                            said: str) -> None:
+    import shutil
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(adopted, root)
+    _rewrite(root, lambda body: body.update({field: value}))
+    with pytest.raises(ManifestError, match=said):
+        mf.read_manifest(str(root))

@@ -127,3 +127,23 @@ def test_hundred_thousand_chunks_read_and_check_in_seconds(tmp_path):
     # Seconds on an idle machine (it was minutes when quadratic): the growth is held by the call counts above,
     # the time by scripts/bench_verify.py, and a relapse to quadratic by the per-test timeout.
     assert read_and_check(tmp_path) == 8  # the eight shard files the metadata names and nobody wrote: nothing else
+
+
+def _tiling_messages(shape: tuple[int, ...], *boxes: tuple[tuple[int, ...], tuple[int, ...]]) -> list[str]:
+    from ckptverify.dcp.layout import Chunk, Layout, TensorInfo
+
+    chunks = tuple(Chunk(offsets, sizes) for offsets, sizes in boxes)
+    findings, _ = check_tiling(Layout(tensors={"w": TensorInfo("w", "float32", shape, chunks)}))
+    assert all(f.check == "chunk-tiling" for f in findings)
+    return [f.message for f in findings]
+
+
+def test_tiling_refuses_chunks_that_do_not_tile_the_tensor():
+    assert _tiling_messages((4,), ((0,), (2,)), ((2,), (2,))) == []
+    assert "has 2 dims, the tensor has 1" in _tiling_messages((4,), ((0, 0), (4, 1)))[0]
+    assert "reaches past its global shape [4]" in _tiling_messages((4,), ((0,), (2,)), ((2,), (3,)))[0]
+    assert _tiling_messages((4,), ((0,), (2,)), ((0,), (2,)), ((2,), (2,))) == [
+        "chunks [0] and [0] of 'w' overlap"]  # same start: found without the sweep
+    # No grid (sizes differ at one start): the sweep finds the overlap, and the gap is not said on top of it.
+    assert _tiling_messages((4, 2), ((0, 0), (3, 2)), ((2, 0), (2, 1))) == ["chunks [0, 0] and [2, 0] of 'w' overlap"]
+    assert _tiling_messages((), ((), ()), ((), ())) == ["scalar 'w' is stored more than once"]

@@ -633,6 +633,19 @@ def test_a_folder_s_dcp_folders_are_shared_out_fingerprinted_or_not_deep_or_not(
     assert [n["files"] for n in plan["nodes"]] == [sorted(f for n in _folder_nodes(path) for f in n), []]
 
 
+def test_a_plan_that_cannot_be_written_leaves_the_coordinator_to_verify_whole(tmp_path: Path) -> None:
+    from ckptverify.errors import CkptVerifyWarning
+    from ckptverify.ownfiles.partsplan import read_plan, share_out
+
+    path = _fsdp_folder(tmp_path)
+    os.mkdir(os.path.join(path, PARTS_PLAN))  # something not a file where the plan goes
+    with pytest.warns(CkptVerifyWarning, match="cannot be shared out among nodes"):
+        assert share_out(path, ["hostA", "hostB"]) is False
+    os.rmdir(os.path.join(path, PARTS_PLAN))
+    assert share_out(path, ["hostA", "hostB"], deep=True) is True
+    assert read_plan(path)["deep"] is True  # type: ignore[index]
+
+
 # ---------------------------------------------------------------------------------- deep, in parts
 
 

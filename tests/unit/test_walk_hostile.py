@@ -377,6 +377,32 @@ def test_a_listed_file_that_is_absent_is_an_error(tmp_path: Path) -> None:
     assert not report.passed and _checks(report)["integrity-missing"] == ["common.pt"]
 
 
+def test_a_file_the_record_leaves_out_or_cannot_read_is_reported(tmp_path: Path) -> None:
+    from ckptverify.checks.sidefiles import check_integrity_record
+
+    ckpt = _megatron_like(tmp_path / "iter_0000004")
+    record = json.loads((ckpt / "integrity.json").read_text())
+    del record["files"]["metadata.json"]
+    os.symlink("/etc/hostname", ckpt / "common.pt")
+    record["files"]["common.pt"] = "0" * 64
+    (ckpt / "integrity.json").write_text(json.dumps(record))
+    findings, _ = check_integrity_record(str(ckpt), "integrity.json")
+    said = {(f.check, f.location.file) for f in findings}
+    assert said == {("integrity-unlisted", "metadata.json"), ("integrity-missing", "common.pt")}, findings
+    assert "common.pt is listed in integrity.json but cannot be read" in " ".join(f.message for f in findings)
+
+
+def test_a_side_file_of_another_format_is_an_error(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from ckptverify.checks.sidefiles import check_side_files
+
+    save_file({"w": torch.ones(2)}, str(tmp_path / "meta.pt"))
+    findings, _, usable = check_side_files(str(tmp_path), ["meta.pt"])
+    assert usable == ["meta.pt"] and [f.message for f in findings if f.check == "side-file"] == [
+        "meta.pt should be Lightning's torch.save file, but its content is safetensors"]
+
+
 def test_a_byte_flipped_in_integrity_json_after_fingerprint_is_caught(tmp_path: Path) -> None:
     ckpt = _megatron_like(tmp_path / "iter_0000004")
     fingerprint_checkpoint(ckpt)
@@ -409,3 +435,20 @@ def test_a_hostile_integrity_json_is_a_finding_not_a_traceback(tmp_path: Path, c
                for f in report.errors), _checks(report)
     result = CliRunner().invoke(main, ["verify", str(ckpt), "--json"])
     assert (result.exit_code == 1 and result.exception is None) or isinstance(result.exception, SystemExit)
+
+
+def test_a_dangling_link_where_a_shard_should_be_is_not_opened(tmp_path: Path) -> None:
+    from ckptverify.checks.structure import check_files, stat_files
+    from ckptverify.dcp.layout import Layout
+
+    os.symlink(tmp_path / "gone", tmp_path / "__0_0.distcp")  # points inside the checkpoint, at nothing
+    findings = check_files(str(tmp_path), Layout(), stat_files(str(tmp_path), ["__0_0.distcp"]), unreferenced=False)
+    assert [(f.check, f.message.split(";")[0]) for f in findings] == [
+        ("file-unsafe", "__0_0.distcp cannot be examined (No such file or directory)")]
+
+
+def test_verify_refuses_fewer_than_one_job(tmp_path: Path) -> None:
+    from ckptverify.errors import UsageError
+
+    with pytest.raises(UsageError, match="--jobs must be at least 1, got 0"):
+        verify_checkpoint(tmp_path, jobs=0)
