@@ -331,8 +331,6 @@ def parse_item(data: bytes | memoryview, base: int, length: int) -> ParsedItem:
 
     def read(offset: int, n: int) -> bytes:
         n = max(0, min(n, length - offset))
-        if offset < 0:
-            return b""
         reads.append((offset, offset + n))
         return bytes(data[base + offset:base + offset + n])
 
