@@ -597,14 +597,14 @@ def _walk(scan: PickleScan, budget: Budget) -> None:
 MAX_VALUES = 200_000
 
 
-def leaf_values(root: Any, *, prefix: str = "", limit: int = MAX_VALUES) -> dict[str, str]:
+def leaf_values(root: Any, *, prefix: str = "") -> dict[str, str]:
     """Every plain value of an object tree by path, as an exact canonical string (``int:4``; ``-0.0`` != ``0.0``).
     Tensors are not values; an :class:`Opaque` contributes ``<path>.__class__`` and its arguments/state. Each object
-    is visited once; values past ``limit`` are left out."""
+    is visited once; values past :data:`MAX_VALUES` are left out."""
     out: dict[str, str] = {}
     seen: set[int] = set()
     stack: list[tuple[str, Any]] = [(prefix, root)]
-    while stack and len(out) < limit:
+    while stack and len(out) < MAX_VALUES:
         path, obj = stack.pop()
         if isinstance(obj, TensorHeader | StorageRef | SubclassHeader):
             continue
