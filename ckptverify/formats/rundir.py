@@ -201,7 +201,6 @@ class _Walker:
         else:  # the names budget ran out inside this folder
             self.notes.append(WalkNote("folder-cap", self.rel(path), f"the walk had read {MAX_NAMES} names in all "
                                        f"when it reached it; {read} of its entries were looked at", read))
-            self.names = 0
 
     def size(self, path: str) -> tuple[int, int]:
         """Bytes of regular files under checkpoint ``path`` (no links) and newest mtime; every entry charged to the
