@@ -171,3 +171,15 @@ def test_a_storage_type_as_a_value_is_named_by_its_dtype():
 
     scan = scan_pickle(b"\x80\x04" + _g(b"torch", b"FloatStorage") + b".")
     assert leaf_values(scan.root) == {"<root>": "storage-type:float32"}
+
+
+@pytest.mark.parametrize("old, new, refusal", [
+    (b"archive/data/1", b"archive/data/0", "'archive/data/0' appears twice"),
+    (b"archive/version", b"archivX/version", "do not share one top-level folder"),
+])
+def test_renamed_records_are_refused(old, new, refusal):
+    blob = _saved({"a": torch.ones(2), "b": torch.zeros(3)})
+    assert blob.count(old) == 2  # its local header and its central directory entry
+    renamed = blob.replace(old, new)
+    with pytest.raises(ArchiveError, match=refusal):
+        parse_archive(_reader(renamed), len(renamed))
