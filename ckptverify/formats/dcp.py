@@ -48,12 +48,11 @@ def describe_dcp(root: str, layout: Layout, read: Iterable[ReadItem], *, files: 
         item = r.item
         if item.transforms:
             readers[(item.file, item.offset, item.length)] = r.reader
-        chunk = item.chunk
-        if item.kind != "tensor" or chunk is None:
+        if item.kind != "tensor":
             continue
-        t = desc.tensors.get(item.fqn)
-        if t is None:
-            continue
+        # The metadata makes a tensor item only for a chunk of a tensor it lists.
+        chunk, t = item.chunk, desc.tensors[item.fqn]
+        assert chunk is not None
         h, rec = r.header, r.storage
         if isinstance(h, SubclassHeader):
             _describe_subclass(t, r, h)

@@ -477,15 +477,14 @@ def iter_payload_blocks(f: Any, p: Payload, max_bytes: int = BLOCK_BYTES, *,
         return
     row_elems = math.prod(sizes[1:])
     row_bytes = row_elems * itemsize
-    rows_per_block = max(1, max_bytes // max(1, row_bytes))
+    rows_per_block = max(1, max_bytes // row_bytes)
     start = p.offset + p.storage_offset * itemsize
     for r0 in range(0, sizes[0], rows_per_block):
         r1 = min(sizes[0], r0 + rows_per_block)
         raw = bytearray(f.pread(start + r0 * row_bytes, (r1 - r0) * row_bytes))
         if len(raw) != (r1 - r0) * row_bytes:
             raise FindingError("payload shorter than its shape")
-        block = torch.frombuffer(raw, dtype=dtype).view((r1 - r0, *sizes[1:])) if raw else torch.empty(
-            (r1 - r0, *sizes[1:]), dtype=dtype)
+        block = torch.frombuffer(raw, dtype=dtype).view((r1 - r0, *sizes[1:]))
         yield (p.chunk_offsets[0] + r0, *p.chunk_offsets[1:]), block
 
 

@@ -201,7 +201,6 @@ class _Walker:
         else:  # the names budget ran out inside this folder
             self.notes.append(WalkNote("folder-cap", self.rel(path), f"the walk had read {MAX_NAMES} names in all "
                                        f"when it reached it; {read} of its entries were looked at", read))
-            self.names = 0
 
     def size(self, path: str) -> tuple[int, int]:
         """Bytes of regular files under checkpoint ``path`` (no links) and newest mtime; every entry charged to the
@@ -249,8 +248,7 @@ def find_checkpoints(run_dir: str | os.PathLike[str], *, notes: list[WalkNote] |
     found: list[Candidate] = []
     own = walker.listing(root)
     if own is None:
-        walker.finish()
-        return []
+        return []  # unlistable or gone: the walk's first listing, so nothing can be left unvisited yet
     root_fmt = own.fmt
     own_parts: set[str] = set()
     if root_fmt is not None:
@@ -270,12 +268,9 @@ def find_checkpoints(run_dir: str | os.PathLike[str], *, notes: list[WalkNote] |
             size, mtime = size + part_size, max(mtime, part_mtime)
         found.append(Candidate(".", "dir", root_fmt, step_of(os.path.basename(os.path.abspath(root))), size, mtime,
                                tuple(sorted(own_parts))))
-    queue: collections.deque[tuple[str, int]] = collections.deque([(root, 0)])
+    queue: collections.deque[tuple[str, int, _Listing]] = collections.deque([(root, 0, own)])
     while queue:
-        path, depth = queue.popleft()
-        entries = walker.listing(path)
-        if entries is None:
-            continue
+        path, depth, entries = queue.popleft()
         # Charged when searched, not when only listed for markers: a sibling full of files does not eat the budget.
         walker.budget -= len(entries.dirs) + len(entries.files)
         for e in entries.dirs:
@@ -292,7 +287,7 @@ def find_checkpoints(run_dir: str | os.PathLike[str], *, notes: list[WalkNote] |
                     fmt = "composite"
                 else:
                     if depth + 1 < MAX_DEPTH:
-                        queue.append((e.path, depth + 1))
+                        queue.append((e.path, depth + 1, child))
                     continue
             size, mtime = walker.size(e.path)
             found.append(Candidate(walker.rel(e.path), "dir", fmt, step_of(e.name), size, mtime, parts))

@@ -31,15 +31,13 @@ class Folding(ABC):
         self.close()
 
     @abstractmethod
-    def fold_at(self, start: int, end: int, fn: Callable[[memoryview, int], None],
-                progress: Callable[[int], None] | None = None) -> None: ...
+    def fold_at(self, start: int, end: int, fn: Callable[[memoryview, int], None]) -> None: ...
 
-    def fold(self, start: int, end: int, fn: Callable[[memoryview], None],
-             progress: Callable[[int], None] | None = None) -> None:
+    def fold(self, start: int, end: int, fn: Callable[[memoryview], None]) -> None:
         """Call ``fn`` on consecutive views covering ``[start, end)``; a view is valid only during its call."""
-        self.fold_at(start, end, lambda view, _at: fn(view), progress)
+        self.fold_at(start, end, lambda view, _at: fn(view))
 
-    def crc32(self, start: int, end: int, progress: Callable[[int], None] | None = None) -> int:
+    def crc32(self, start: int, end: int) -> int:
         """CRC-32 (zip's) of bytes ``[start, end)``."""
         value = 0
 
@@ -47,5 +45,5 @@ class Folding(ABC):
             nonlocal value
             value = crc32(view, value)
 
-        self.fold_at(start, end, step, progress)
+        self.fold_at(start, end, step)
         return value

@@ -332,8 +332,7 @@ class ReadOnlyFile(Folding):
             pace(len(data))
         return data
 
-    def fold_at(self, start: int, end: int, fn: Callable[[memoryview, int], None],
-                progress: Callable[[int], None] | None = None) -> None:
+    def fold_at(self, start: int, end: int, fn: Callable[[memoryview, int], None]) -> None:
         """Like :meth:`fold`, also passing each view's offset in the file."""
         end = min(end, self.size)
         buf = _buffer()
@@ -347,8 +346,6 @@ class ReadOnlyFile(Folding):
                     raise self._shrunk(pos)
                 with buf[:got] as part:
                     fn(part, pos)
-                if progress is not None:
-                    progress(got)
                 if pace is not None:
                     pace(got)
                 pos += got

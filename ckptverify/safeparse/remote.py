@@ -438,8 +438,7 @@ class RemoteFile(Folding):
         self.fold(offset, offset + want, out.extend)
         return bytes(out)
 
-    def fold_at(self, start: int, end: int, fn: Callable[[memoryview, int], None],
-                progress: Callable[[int], None] | None = None) -> None:
+    def fold_at(self, start: int, end: int, fn: Callable[[memoryview, int], None]) -> None:
         """Like :meth:`fold`, also passing each view's offset. Ranges are fetched :data:`READ_AHEAD` ahead."""
         end = min(end, self.size)
         if start >= end:
@@ -448,8 +447,6 @@ class RemoteFile(Folding):
             data = self.pread(start, end - start)
             with memoryview(data) as view:
                 fn(view, start)
-            if progress is not None:
-                progress(len(data))
             return
         ranges = iter([(a, min(a + RANGE_BYTES, end)) for a in range(start, end, RANGE_BYTES)])
         pool = _pool_executor()
@@ -465,10 +462,7 @@ class RemoteFile(Folding):
                 with memoryview(data) as view:
                     for p in range(0, len(data), _VIEW_BYTES):
                         with view[p: p + _VIEW_BYTES] as part:
-                            n = len(part)
                             fn(part, at + p)
-                        if progress is not None:
-                            progress(n)
                 del data
         finally:
             for _, future in pending:

@@ -43,14 +43,12 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def loads(data: bytes | bytearray | memoryview | str, *, max_bytes: int = MAX_BYTES,
+def loads(data: bytes | str, *, max_bytes: int = MAX_BYTES,
           max_depth: int = MAX_DEPTH, nonfinite: bool = False) -> Any:
     """Parse ``data`` (UTF-8/16/32 bytes, or text); raise :class:`JSONError` for anything refused. ``nonfinite``:
     accept ``NaN``/infinities (a framework's side file); callers must not make them integers."""
     if len(data) > max_bytes:
         raise JSONError(f"the JSON is {len(data)} bytes, more than the {max_bytes} this tool reads")
-    if isinstance(data, memoryview | bytearray):
-        data = bytes(data)
     try:
         if nonfinite:
             value = json.loads(data, object_pairs_hook=_unique)

@@ -158,7 +158,7 @@ class _StorageType(FrozenGlobal):
 
     def __init__(self, label: str, dtype: str | None) -> None:
         super().__init__(label)
-        object.__setattr__(self, "dtype", dtype)
+        self.dtype = dtype
 
 
 class _OrderedDict(dict):  # type: ignore[type-arg]
@@ -260,7 +260,7 @@ class _EnumValue(FrozenGlobal):
 
     def __init__(self, label: str, value: str) -> None:
         super().__init__(label)
-        object.__setattr__(self, "value", value)
+        self.value = value
 
 
 _STRIDED = FrozenGlobal("torch.strided")  # the one layout ``_get_layout`` resolves
@@ -281,20 +281,17 @@ def _record_class(label: str) -> type:
 
     def __new__(cls: type) -> Any:
         inst = object.__new__(cls)
-        object.__setattr__(inst, "fields", None)
+        inst.fields = None
         return inst
 
     def __setstate__(self: Any, state: Any) -> None:
         if self.fields is not None or type(state) is not dict or not all(type(k) is str for k in state):
             raise BadPickle(f"data.pkl sets unexpected state on {label}")
         _check_attributes(label, state, None)
-        object.__setattr__(self, "fields", {k: _canonical(v) for k, v in state.items()})
-
-    def __setattr__(self: Any, key: str, value: Any) -> None:
-        raise BadPickle(f"data.pkl modifies {label}")
+        self.fields = {k: _canonical(v) for k, v in state.items()}
 
     return type("_Record", (), {"__slots__": ("fields",), "__new__": __new__, "__setstate__": __setstate__,
-                                "__setattr__": __setattr__, "label": label})
+                                "label": label})
 
 
 def _canonical(value: Any) -> Any:
@@ -600,14 +597,14 @@ def _walk(scan: PickleScan, budget: Budget) -> None:
 MAX_VALUES = 200_000
 
 
-def leaf_values(root: Any, *, prefix: str = "", limit: int = MAX_VALUES) -> dict[str, str]:
+def leaf_values(root: Any, *, prefix: str = "") -> dict[str, str]:
     """Every plain value of an object tree by path, as an exact canonical string (``int:4``; ``-0.0`` != ``0.0``).
     Tensors are not values; an :class:`Opaque` contributes ``<path>.__class__`` and its arguments/state. Each object
-    is visited once; values past ``limit`` are left out."""
+    is visited once; values past :data:`MAX_VALUES` are left out."""
     out: dict[str, str] = {}
     seen: set[int] = set()
     stack: list[tuple[str, Any]] = [(prefix, root)]
-    while stack and len(out) < limit:
+    while stack and len(out) < MAX_VALUES:
         path, obj = stack.pop()
         if isinstance(obj, TensorHeader | StorageRef | SubclassHeader):
             continue

@@ -119,16 +119,14 @@ def refuse_build(self: Any, state: Any) -> None:
 
 
 class FrozenGlobal:
-    """A stand-in for a global (function, dtype, storage type, enum) that no pickle can change (``BUILD`` and
-    attribute writes are refused), so shared stand-ins stay as made. Not callable; see :func:`callable_global`."""
+    """A stand-in for a global (function, dtype, storage type, enum) that no pickle can change (``BUILD``, the only
+    opcode that sets state, is refused), so shared stand-ins stay as made. Not callable; see
+    :func:`callable_global`."""
 
     __slots__ = ("_label",)
 
     def __init__(self, label: str) -> None:
-        object.__setattr__(self, "_label", label)
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        raise BadPickle(f"the pickle modifies the global {self._label}")
+        self._label = label
 
     def __setstate__(self, state: Any) -> None:
         raise BadPickle(f"the pickle modifies the global {self._label}")

@@ -286,11 +286,13 @@ class ArchiveTemplate:
 
 class TemplateCache:
     """Templates of one verification by item length, shared by its planning threads. A length's first item is only
-    remembered; the template is built on the second. At most ``limit`` lengths."""
+    remembered; the template is built on the second. At most :attr:`LIMIT` lengths, of items up to
+    :attr:`MAX_ITEM_BYTES`."""
 
-    def __init__(self, limit: int = 256, max_item_bytes: int = 64 << 10) -> None:
-        self.limit = limit
-        self.max_item_bytes = max_item_bytes
+    LIMIT = 256
+    MAX_ITEM_BYTES = 64 << 10
+
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_length: dict[int, ArchiveTemplate | tuple[bytes, ParsedItem, list[int]]] = {}
 
@@ -300,13 +302,13 @@ class TemplateCache:
 
     def parsed(self, buf: bytes, base: int, length: int, parsed: ParsedItem, crcs: list[int]) -> None:
         """Note an item parsed in full (the item at ``buf[base:base + length]``)."""
-        if length > self.max_item_bytes:
+        if length > self.MAX_ITEM_BYTES:
             return
         data = buf[base:base + length]
         with self._lock:
             found = self._by_length.get(length)
             if found is None:
-                if len(self._by_length) < self.limit:
+                if len(self._by_length) < self.LIMIT:
                     self._by_length[length] = (bytes(data), parsed, crcs)
             elif isinstance(found, tuple):
                 self._by_length[length] = ArchiveTemplate(*found)
@@ -331,8 +333,6 @@ def parse_item(data: bytes | memoryview, base: int, length: int) -> ParsedItem:
 
     def read(offset: int, n: int) -> bytes:
         n = max(0, min(n, length - offset))
-        if offset < 0:
-            return b""
         reads.append((offset, offset + n))
         return bytes(data[base + offset:base + offset + n])
 

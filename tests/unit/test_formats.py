@@ -721,3 +721,21 @@ def test_fingerprinting_a_path_that_does_not_exist_is_refused_before_anything_is
     with pytest.raises(CheckpointNotFoundError, match="checkpoint path does not exist"):
         fingerprint_checkpoint(tmp_path / "nowhere")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_description_reads_plain_and_legacy_pickles_and_says_why_a_file_is_unread(tmp_path: Path) -> None:
+    from ckptverify.formats.describe import describe
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    (tmp_path / "plain.pkl").write_bytes(pickle.dumps({"lr": 0.5}, protocol=2))
+    (tmp_path / "bad.json").write_bytes(b"{nope")
+    with zipfile.ZipFile(tmp_path / "other.pt", "w") as z:  # a zip, but not as torch.save writes one
+        z.writestr("a.txt", "hi")
+    (tmp_path / "broken.safetensors").write_bytes(struct.pack("<Q", 16) + b"{" + b"x" * 20)
+    (tmp_path / "bad.pkl").write_bytes(b"\x80\x02\xff\xff")
+    desc = describe(tmp_path)
+    assert desc.files == {"legacy.pt": "legacy", "plain.pkl": "pickle"}
+    assert desc.values["plain.pkl:lr"] == "float:0.5"
+    assert {name: why.split(":")[0] for name, why in desc.unread.items()} == {
+        "bad.json": "not valid JSON", "other.pt": "not an intact torch.save archive",
+        "broken.safetensors": "not a well-formed safetensors file", "bad.pkl": "not a readable pickle"}

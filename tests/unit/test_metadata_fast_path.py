@@ -11,6 +11,7 @@ longer kills the process, exponential hashing is refused).
 from __future__ import annotations
 
 import pickle
+import pickletools
 import random
 import subprocess
 import sys
@@ -353,6 +354,24 @@ def test_a_hostile_pickle_read_by_the_c_unpickler_cannot_change_later_parses(tmp
         with pytest.raises(BadPickle):
             sp._parse(data, fast=True)
     assert sp.parse(clean) == sp.parse_reference(clean)
+
+
+def test_metadata_split_into_two_frames_anywhere_reads_the_same_on_both_paths():
+    # A frame boundary between a tuple and its consumer (or inside a literal) moves the pass off its regular
+    # expressions onto its opcode-by-opcode states: each cut is refused by the pass or read alike by both paths.
+    data = pickle.dumps(_real_metadata(), protocol=4)
+    ops = [(pos, op.name) for op, _, pos in pickletools.genops(data)]
+    body = [data[pos:end] for (pos, name), (end, _) in zip(ops, [*ops[1:], (len(data), "")], strict=True)
+            if name not in ("PROTO", "FRAME")]
+    admitted = 0
+    for cut in range(1, len(body)):
+        head, tail = b"".join(body[:cut]), b"".join(body[cut:])
+        split = b"\x80\x04" + b"".join(b"\x95" + len(f).to_bytes(8, "little") + f for f in (head, tail))
+        if in_fast_subset(split):
+            admitted += 1
+            assert assert_paths_agree(split) == "ok"
+        assert sp.parse(split) == sp.parse(data)
+    assert admitted > len(body) // 2
 
 
 def test_where_the_c_unpickler_is_stricter_its_refusal_stands(monkeypatch):

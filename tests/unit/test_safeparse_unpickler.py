@@ -74,6 +74,12 @@ def test_a_shared_stand_in_cannot_be_modified(read, refused):
     assert item_header(clean).dtype == "float32"
 
 
+@pytest.mark.parametrize("read", [sp.parse_reference, sp.parse, scan_pickle])
+def test_a_stand_in_cannot_be_called(read):
+    with pytest.raises(BadPickle, match=r"torch\.float32 is not callable"):
+        read(b"\x80\x04" + _global(b"torch", b"float32") + b")R.")  # torch.float32()
+
+
 @pytest.mark.parametrize("read, refused", [
     (sp.parse_reference, BadPickle),
     (item_header, pickle.UnpicklingError),

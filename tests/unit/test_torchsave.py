@@ -144,3 +144,42 @@ def test_data_pkl_hashing_a_tuple_is_refused_not_a_crash(hostile):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "refused: data.pkl uses a tuple as a dict key or set member" in proc.stdout
+
+
+def _g(module: bytes, name: bytes) -> bytes:
+    return b"\x8c" + bytes([len(module)]) + module + b"\x8c" + bytes([len(name)]) + name + b"\x93"
+
+
+@pytest.mark.parametrize("body, refusal", [
+    (_g(b"collections", b"OrderedDict") + b"]\x85R", "collections.OrderedDict called with arguments"),
+    (_g(b"_codecs", b"encode") + b"\x8c\x01a\x8c\x04utf8\x86R", "_codecs.encode outside the bytes-in-protocol-2"),
+])
+def test_scan_pickle_refuses_what_torch_save_never_writes(body, refusal, monkeypatch):
+    from ckptverify.errors import BadPickle
+    from ckptverify.safeparse import torchsave
+
+    data = b"\x80\x04" + body + b"."
+    with pytest.raises(BadPickle, match=refusal):
+        torchsave.scan_pickle(data)
+    monkeypatch.setattr(torchsave, "MAX_PICKLE_BYTES", len(data) - 1)
+    with pytest.raises(BadPickle, match="more than this tool reads"):
+        torchsave.scan_pickle(data)
+
+
+def test_a_storage_type_as_a_value_is_named_by_its_dtype():
+    from ckptverify.safeparse.torchsave import leaf_values, scan_pickle
+
+    scan = scan_pickle(b"\x80\x04" + _g(b"torch", b"FloatStorage") + b".")
+    assert leaf_values(scan.root) == {"<root>": "storage-type:float32"}
+
+
+@pytest.mark.parametrize("old, new, refusal", [
+    (b"archive/data/1", b"archive/data/0", "'archive/data/0' appears twice"),
+    (b"archive/version", b"archivX/version", "do not share one top-level folder"),
+])
+def test_renamed_records_are_refused(old, new, refusal):
+    blob = _saved({"a": torch.ones(2), "b": torch.zeros(3)})
+    assert blob.count(old) == 2  # its local header and its central directory entry
+    renamed = blob.replace(old, new)
+    with pytest.raises(ArchiveError, match=refusal):
+        parse_archive(_reader(renamed), len(renamed))

@@ -121,6 +121,19 @@ def test_a_folder_with_more_entries_than_the_walk_reads_is_said(tmp_path: Path, 
     assert result.exit_code == 1 and json.loads(result.stdout)["stats"]["unseen"][0]["path"] == "cache"
 
 
+def test_a_folder_the_walk_reaches_with_its_names_budget_spent_is_said(tmp_path: Path, small_walk: None,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rundir, "MAX_NAMES", 100)
+    run = tmp_path / "run"
+    _dcp(run / "step_10", 10.0)
+    _empty_files(run / "zz_cache", 150)  # < MAX_FOLDER_ENTRIES (300), > the names left once step_10 is listed
+    left = 100 - 2 - len(os.listdir(run / "step_10"))
+    notes: list[WalkNote] = []
+    assert [c.path for c in find_checkpoints(run, notes=notes)] == ["step_10"]
+    assert [(n.kind, n.path, n.entries) for n in notes] == [("folder-cap", "zz_cache", left)]
+    assert "had read 100 names in all" in notes[0].detail
+
+
 # ---- a folder the account cannot list ----------------------------------------------------------------------
 
 
