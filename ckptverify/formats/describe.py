@@ -343,6 +343,12 @@ def _safetensors_read(desc: Description, name: str, blob: safetensors.Blob) -> N
             stride=contiguous_strides(t.shape), chunk_offsets=(0,) * len(t.shape))])
 
 
+def _why(what: str, exc: Exception) -> str:
+    """``what: exc``, but once where the reader's own message already starts with ``what``."""
+    said = str(exc)
+    return said if said.startswith(what) else f"{what}: {said}"
+
+
 def _pickle(desc: Description, f: ReadOnlyFile, name: str) -> None:
     if f.size > MAX_PICKLE_BYTES:
         desc.unread[name] = f"a pickle of {f.size} bytes, more than this tool reads"
@@ -351,7 +357,7 @@ def _pickle(desc: Description, f: ReadOnlyFile, name: str) -> None:
     try:
         scan = scan_pickle(data)
     except BadPickle as exc:
-        desc.unread[name] = f"not a readable pickle: {exc}"
+        desc.unread[name] = _why("not a readable pickle", exc)
         return
     # A legacy (pre-1.6) torch.save starts with the pickled magic number; its tensors follow in raw form.
     desc.files[name] = "legacy" if isinstance(scan.root, int) and scan.root == 0x1950A86A20F9469CFC6C else "pickle"
@@ -365,7 +371,7 @@ def _json(desc: Description, f: ReadOnlyFile, name: str) -> None:
     try:
         value = safejson.loads(f.pread(0, f.size), nonfinite=True)
     except JSONError as exc:
-        desc.unread[name] = f"not valid JSON: {exc}"[:200]
+        desc.unread[name] = _why("not valid JSON", exc)[:200]
         return
     desc.files[name] = "json"
     if not name.endswith(".index.json"):  # a shard index is layout (which file holds what), not state

@@ -739,3 +739,16 @@ def test_a_folder_description_reads_plain_and_legacy_pickles_and_says_why_a_file
     assert {name: why.split(":")[0] for name, why in desc.unread.items()} == {
         "bad.json": "not valid JSON", "other.pt": "not an intact torch.save archive",
         "broken.safetensors": "not a well-formed safetensors file", "bad.pkl": "not a readable pickle"}
+
+
+def test_an_unread_file_s_reason_names_its_kind_once(tmp_path: Path) -> None:
+    from ckptverify.formats.describe import describe
+
+    (tmp_path / "bad.json").write_bytes(b"{nope")
+    (tmp_path / "deep.json").write_bytes(b"[" * 5000 + b"]" * 5000)
+    (tmp_path / "bad.pkl").write_bytes(b"\x80\x02\xff\xff")
+    unread = describe(tmp_path).unread
+    assert unread["bad.json"].startswith("not valid JSON: ") and unread["bad.json"].count("not valid JSON") == 1
+    assert unread["deep.json"].startswith("not valid JSON: the JSON nests deeper than")
+    assert unread["bad.pkl"].startswith("not a readable pickle: ")
+    assert unread["bad.pkl"].count("not a readable pickle") == 1
