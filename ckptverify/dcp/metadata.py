@@ -217,12 +217,6 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
-def _bool(value: Any, what: str) -> bool:
-    if type(value) is not bool:
-        raise BadPickle(f"{what} must be a bool, got {_short(value)}")
-    return value
-
-
 def _dims(value: Any, what: str) -> tuple[int, ...]:
     # DCP stores every shape, offset and size as a torch.Size; anything else is not what it wrote. A Size holds at
     # most MAX_DIMS ints (its stand-in refuses anything else): only their range is left to check.
@@ -338,14 +332,12 @@ class _Interned:
         return _chunk(value, what)
 
     def properties(self, value: Any, what: str) -> TensorProps:
-        if type(value) is sp.Obj and value.kind == "TensorProperties":  # fields checked by its stand-in (_properties)
-            f = value.fields
-            key = (f["dtype"].name, f["layout"].name, f["requires_grad"], f["memory_format"].value, f["pin_memory"])
-            props = self.props.get(key)
-            if props is None:
-                props = self.props[key] = TensorProps(*key)
-            return props
-        return _properties(value, what)
+        f = _obj(value, "TensorProperties", what)  # its fields were checked by its stand-in (see _properties)
+        key = (f["dtype"].name, f["layout"].name, f["requires_grad"], f["memory_format"].value, f["pin_memory"])
+        props = self.props.get(key)
+        if props is None:
+            props = self.props[key] = TensorProps(*key)
+        return props
 
     def path(self, value: Any) -> str | None:
         if type(value) is not str:
@@ -469,7 +461,8 @@ def _planner_children(v: sp.Obj, where: str) -> list[tuple[Any, str]]:
         for item in _seq(f["items"], f"items of a plan in {where}"):
             if not (isinstance(item, sp.Obj) and item.kind == "WriteItem"):
                 raise BadPickle(f"a plan in {where} holds {_short(item)} among its write items")
-        _bool(f["usable"], f"usable of a plan in {where}")
+        if type(f["usable"]) is not bool:
+            raise BadPickle(f"usable of a plan in {where} must be a bool, got {_short(f['usable'])}")
         out = [(f["items"], where), (f["storage_data"], where), (f["planner_data"], where)]
         if kind == "MCoreSavePlan":
             out.append((f["mcore_data"], where))
