@@ -158,6 +158,31 @@ def test_a_storage_entry_listed_twice_is_unreadable(tmp_path):
     assert "storage entry 'w' at (0,) appears twice" in findings[0].message
 
 
+def _hostile_planner_data():
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, BytesStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+
+    return {
+        "a string in planner_data is too long": "x" * (md.MAX_STRING + 1),
+        "planner_data holds a _MEM_FORMAT_ENCODING": [_MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST],
+        "planner_data has a dict key of type Obj": {MetadataIndex("w"): 1},
+        "usable of a plan in planner_data must be a bool, got 'yes'": SavePlan(items=[], usable="yes"),
+        "a write item in planner_data has no WriteItemType": [WriteItem(index=MetadataIndex("w"), type=None)],
+        "planner_data holds a BytesStorageMetadata, which belongs elsewhere": {"w": BytesStorageMetadata()},
+    }
+
+
+@pytest.mark.parametrize("message", sorted(_hostile_planner_data()))
+def test_planner_data_holding_what_dcp_never_writes_there_is_unreadable(tmp_path, message):
+    path = _save(tmp_path, {"w": torch.ones(2)})
+    real = pickle.loads((path / ".metadata").read_bytes())
+    real.planner_data = _hostile_planner_data()[message]
+    (path / ".metadata").write_bytes(pickle.dumps(real))
+    layout, findings = md.read_layout(str(path))
+    assert layout is None and findings[0].check == "metadata-unreadable"
+    assert message in findings[0].message
+
+
 @pytest.mark.parametrize("field,value", [("offset", -1), ("length", 2**70), ("offset", "12"), ("length", True)])
 def test_hostile_offsets_and_lengths_are_unreadable_not_trusted(tmp_path, field, value):
     path = _save(tmp_path, {"w": torch.ones(2)})
