@@ -548,7 +548,7 @@ def test_bad_arguments_are_usage_errors(tmp_path: Path, kwargs: dict[str, Any], 
             HashingFileSystemWriter(str(tmp_path), **kwargs)
 
 
-@pytest.mark.parametrize("path", ["s3://bucket/ckpt", "file:///tmp/ckpt"])
+@pytest.mark.parametrize("path", ["s3://bucket/ckpt", "file:///tmp/ckpt", b"ckpt", 7])
 def test_a_path_that_is_not_a_local_directory_path_is_a_usage_error(path: Any) -> None:
     for fn in (save, async_save):
         with pytest.raises(UsageError, match="path must be a local directory path"):
