@@ -143,6 +143,26 @@ def test_a_storage_path_outside_the_directory_is_refused_by_the_safe_reader(tmp_
         SafeFileSystemReader(str(path)).read_metadata()
 
 
+def test_the_safe_reader_refuses_unreadable_metadata_and_completes_an_old_one(tmp_path):
+    from ckptverify.dcp.storage_reader import SafeFileSystemReader
+    from ckptverify.errors import CheckpointRefusedError
+
+    path = _save(tmp_path, {"w": torch.ones(2)})
+    good = (path / ".metadata").read_bytes()
+    real = pickle.loads(good)
+    real.storage_meta = None  # as DCP before storage_meta wrote it
+    (path / ".metadata").write_bytes(pickle.dumps(real))
+    reader = SafeFileSystemReader(str(path))
+    assert reader.read_metadata().storage_meta.load_id == reader.load_id
+    (path / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointRefusedError, match=r"^refusing \.metadata: "):
+        SafeFileSystemReader(str(path)).read_metadata()
+    (path / ".metadata").unlink()
+    (path / ".metadata").mkdir()
+    with pytest.raises(CheckpointRefusedError, match=r"^cannot read \.metadata: "):
+        SafeFileSystemReader(str(path)).read_metadata()
+
+
 def test_a_storage_entry_listed_twice_is_unreadable(tmp_path):
     """Real unpickling would keep one of two equal keys; the safe parse keeps both and refuses the repeat."""
     path = _save(tmp_path, {"w": torch.ones(2)})
