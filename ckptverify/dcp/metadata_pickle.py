@@ -79,10 +79,6 @@ class Kind:
         object.__setattr__(self, "field_set", frozenset(self.fields))
         object.__setattr__(self, "default_map", dict(self.defaults))
 
-    @property
-    def frozen(self) -> bool:
-        return self.hash_fields is not None
-
 
 #: Every dataclass a DCP ``.metadata`` may name, by its short name.
 KINDS: dict[str, Kind] = {k.name: k for k in (
@@ -245,7 +241,7 @@ class _Record:
         if slots is not None:
             if type(slots) is not dict:
                 raise BadPickle(f"{kind.name} slot state is {type(slots).__name__}, not a dictionary")
-            if kind.frozen and slots:
+            if kind.hash_fields is not None and slots:  # hashable: a frozen dataclass
                 raise BadPickle(f"{kind.name} is frozen; setting attributes on it fails")
             self._set_fields(slots)
 
