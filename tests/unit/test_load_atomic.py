@@ -243,6 +243,24 @@ def test_an_untrustworthy_manifest_is_refused_without_verification_and_changes_n
     assert_unchanged(before, snapshot(state))
 
 
+def test_an_item_cut_short_fails_its_proof_and_changes_nothing(good, tmp_path) -> None:
+    import os
+    import shutil
+
+    from ckptverify.errors import ProofFailedError
+
+    path, _ = good
+    cut = tmp_path / "cut"
+    shutil.copytree(path, cut)
+    shard = max(cut.glob("*.distcp"), key=os.path.getsize)
+    os.truncate(shard, shard.stat().st_size - 10)
+    state = build(5)
+    before = snapshot(state)
+    with pytest.raises(ProofFailedError, match=r"are cut short: \d+ of \d+ bytes could be read \(item-bounds\)"):
+        ckptverify.load(state, cut, verify="off")  # a verification would refuse it before reading
+    assert_unchanged(before, snapshot(state))
+
+
 def test_picking_from_a_run_directory_that_is_not_one_is_not_found(tmp_path) -> None:
     from ckptverify.errors import CheckpointNotFoundError
 
