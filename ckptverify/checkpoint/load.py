@@ -280,9 +280,7 @@ def load_newest_proven(state: TrainState, run_dir: str | os.PathLike[str], *, ch
                 f"not be written, so it would be picked again; nothing was loaded. {_refused_text(refused)}")
         try:
             report = load_picked(state, picked, check=check, deep=deep, on_restore_mismatch=on_restore_mismatch)
-        except ProofFailedError as exc:
-            if picked.path is None:
-                raise
+        except ProofFailedError as exc:  # only a pick proves: with no pick, load_picked refuses first
             refused.append({"abs_path": picked.path, "path": os.path.relpath(picked.path, root),
                             "step": picked.step, "check": exc.info.get("check"), "reason": str(exc)})
             _log.warning("%s failed its proof while loading; trying the next older checkpoint: %s", picked.path, exc)

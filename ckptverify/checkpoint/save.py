@@ -309,6 +309,8 @@ def _save(where: str, state_dict: Any, path: str | os.PathLike[str], *, digest: 
     from ckptverify.verifier.background import AfterSave, node_hosts
 
     options = AfterSave(verify=verify_options(where, verify), on_verified=on_verified, events=events)
+    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+        raise UsageError(f"path must be a local directory path, got {path!r}")
     # The training step the checkpoint holds: a TrainState's step counter, else the one its directory's name carries.
     step = (int(state_dict.counters.step) if isinstance(state_dict, TrainState)
             else step_of(os.path.basename(os.path.normpath(os.fspath(path)))))
@@ -318,8 +320,6 @@ def _save(where: str, state_dict: Any, path: str | os.PathLike[str], *, digest: 
     _raise_earlier_failures(options, group)
     if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
         raise UsageError(f"thread_count must be a positive integer, got {thread_count!r}")
-    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
-        raise UsageError(f"path must be a local directory path, got {path!r}")
     writer = HashingFileSystemWriter(os.fspath(path), digest=digest, block_bytes=block_bytes, fingerprint=fingerprint,
                                      thread_count=thread_count, **writer_kw)  # checks digest and block size
     # Each rank's node when the background verification is shared among nodes (more than one).

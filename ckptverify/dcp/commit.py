@@ -45,16 +45,15 @@ def _fsync_dir(root: str) -> None:
 
 @dataclass
 class SaveLock:
-    """The coordinator's hold on a directory while it saves into it. Not picklable (it owns a descriptor)."""
+    """The coordinator's hold on a directory while it saves into it: a descriptor of this process (a pickled writer
+    leaves its lock behind)."""
 
     root: str
     fd: int | None
     save_id: str
 
     def commit(self) -> None:
-        """The save committed (its manifest is in place): remove the marker, then drop the lock."""
-        if self.fd is None:
-            raise RuntimeError("this save lock was already released")
+        """The save committed (its manifest is in place): remove the marker, then drop the lock. Only on a held lock."""
         try:
             os.unlink(os.path.join(self.root, MARKER_FILE))
             _fsync_dir(self.root)
@@ -71,9 +70,6 @@ class SaveLock:
         # A failed writer nobody releases lets go of the directory when collected.
         with contextlib.suppress(Exception):
             self.release()
-
-    def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("a SaveLock cannot be pickled: its lock lives in the process that took it")
 
 
 def _holder(fd: int) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptverify.dcp import metadata_pickle as sp
-from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Chunk, Item, Layout, TensorInfo
+from ckptverify.dcp.layout import Chunk, Item, Layout, TensorInfo
 from ckptverify.errors import BadPickle, StorageError, UnsafeGlobal
 from ckptverify.findings import Finding, Location, error
 from ckptverify.safeparse import paths
@@ -217,20 +217,12 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
-def _bool(value: Any, what: str) -> bool:
-    if type(value) is not bool:
-        raise BadPickle(f"{what} must be a bool, got {_short(value)}")
-    return value
-
-
-_INT = frozenset({int})
-
-
 def _dims(value: Any, what: str) -> tuple[int, ...]:
-    # DCP stores every shape, offset and size as a torch.Size; anything else is not what it wrote.
-    if type(value) is not sp.Size or len(value) > MAX_DIMS:
+    # DCP stores every shape, offset and size as a torch.Size; anything else is not what it wrote. A Size holds at
+    # most MAX_DIMS ints (its stand-in refuses anything else): only their range is left to check.
+    if type(value) is not sp.Size:
         raise BadPickle(f"{what} must be a torch.Size of at most {MAX_DIMS} integers")
-    if value and (not set(map(type, value)) <= _INT or min(value) < 0 or max(value) >= 1 << 63):
+    if value and (min(value) < 0 or max(value) >= 1 << 63):
         for v in value:
             _int(v, what)
     return tuple(value)
@@ -261,18 +253,10 @@ def _dict(value: Any, what: str) -> tuple[tuple[Any, Any], ...]:
 
 
 def _properties(value: Any, what: str) -> TensorProps:
+    # Its stand-in took only DCP's 5-tuple of a dtype, layout, bool, memory format and bool: the kind is what is left.
     f = _obj(value, "TensorProperties", what)
-    dtype = f["dtype"]
-    if not isinstance(dtype, sp.DType):
-        raise BadPickle(f"dtype of {what} is {_short(dtype)}, expected a torch dtype")
-    layout = f["layout"]
-    if not isinstance(layout, sp.TorchLayout):
-        raise BadPickle(f"layout of {what} is {_short(layout)}, expected a torch layout")
-    mem = f["memory_format"]
-    if not isinstance(mem, sp.Enum) or mem.kind != "_MEM_FORMAT_ENCODING":
-        raise BadPickle(f"memory format of {what} is not a _MEM_FORMAT_ENCODING")
-    return TensorProps(dtype.name, layout.name, _bool(f["requires_grad"], f"requires_grad of {what}"),
-                       mem.value, _bool(f["pin_memory"], f"pin_memory of {what}"))
+    return TensorProps(f["dtype"].name, f["layout"].name, f["requires_grad"], f["memory_format"].value,
+                       f["pin_memory"])
 
 
 def _chunk(value: Any, what: str) -> Chunk:
@@ -323,8 +307,8 @@ def _ok_int(value: Any) -> bool:
 
 
 def _ok_dims(value: Any) -> bool:
-    # A Size holds ints only (its stand-in refuses anything else).
-    return type(value) is sp.Size and len(value) <= MAX_DIMS and (not value or (min(value) >= 0 and max(value) < _I63))
+    # A Size holds at most MAX_DIMS ints (its stand-in refuses anything else).
+    return type(value) is sp.Size and (not value or (min(value) >= 0 and max(value) < _I63))
 
 
 class _Interned:
@@ -348,18 +332,12 @@ class _Interned:
         return _chunk(value, what)
 
     def properties(self, value: Any, what: str) -> TensorProps:
-        if type(value) is sp.Obj and value.kind == "TensorProperties":
-            f = value.fields
-            dtype, layout, mem = f["dtype"], f["layout"], f["memory_format"]
-            rg, pin = f["requires_grad"], f["pin_memory"]
-            if (type(dtype) is sp.DType and type(layout) is sp.TorchLayout and type(mem) is sp.Enum
-                    and mem.kind == "_MEM_FORMAT_ENCODING" and type(rg) is bool and type(pin) is bool):
-                key = (dtype.name, layout.name, rg, mem.value, pin)
-                props = self.props.get(key)
-                if props is None:
-                    props = self.props[key] = TensorProps(dtype.name, layout.name, rg, mem.value, pin)
-                return props
-        return _properties(value, what)
+        f = _obj(value, "TensorProperties", what)  # its fields were checked by its stand-in (see _properties)
+        key = (f["dtype"].name, f["layout"].name, f["requires_grad"], f["memory_format"].value, f["pin_memory"])
+        props = self.props.get(key)
+        if props is None:
+            props = self.props[key] = TensorProps(*key)
+        return props
 
     def path(self, value: Any) -> str | None:
         if type(value) is not str:
@@ -377,9 +355,8 @@ def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
     entries: dict[str, TensorInfo | None] = {}
     properties: dict[str, TensorProps] = {}
     for fqn_raw, entry in _dict(fields["state_dict_metadata"], "state_dict_metadata"):
+        # Keys of one dict: a string is never repeated.
         fqn = fqn_raw if _ok_str(fqn_raw) else _str(fqn_raw, "a state dict key")
-        if fqn in entries:
-            raise BadPickle(f"state dict key {fqn!r} appears twice")
         if type(entry) is sp.Obj and entry.kind == "BytesStorageMetadata":
             entries[fqn] = None
             continue
@@ -387,9 +364,7 @@ def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
             tsm = entry.fields
         else:
             tsm = _obj(entry, "TensorStorageMetadata", f"entry {fqn!r}")
-        props = interned.properties(tsm["properties"], f"{fqn!r}")
-        if props.dtype not in DTYPE_ITEMSIZE:
-            raise BadPickle(f"{fqn!r} has an unknown dtype")
+        props = interned.properties(tsm["properties"], f"{fqn!r}")  # of a dtype the allowlist names: a known one
         size = tsm["size"]
         shape = tuple(size) if _ok_dims(size) else _dims(size, f"size of {fqn!r}")
         chunks_raw = tsm["chunks"]
@@ -468,10 +443,7 @@ def _inert(value: Any, what: str) -> Any:
                     raise BadPickle(f"{where} has a dict key of type {type(k).__name__}")
                 stack.append((x, where))
             continue
-        if t is sp.Obj:
-            stack.extend(_planner_children(v, where))
-            continue
-        raise BadPickle(f"{where} holds a {t.__name__}")
+        stack.extend(_planner_children(v, where))  # an Obj: the plain tree holds no other type
     return value
 
 
@@ -489,7 +461,8 @@ def _planner_children(v: sp.Obj, where: str) -> list[tuple[Any, str]]:
         for item in _seq(f["items"], f"items of a plan in {where}"):
             if not (isinstance(item, sp.Obj) and item.kind == "WriteItem"):
                 raise BadPickle(f"a plan in {where} holds {_short(item)} among its write items")
-        _bool(f["usable"], f"usable of a plan in {where}")
+        if type(f["usable"]) is not bool:
+            raise BadPickle(f"usable of a plan in {where} must be a bool, got {_short(f['usable'])}")
         out = [(f["items"], where), (f["storage_data"], where), (f["planner_data"], where)]
         if kind == "MCoreSavePlan":
             out.append((f["mcore_data"], where))

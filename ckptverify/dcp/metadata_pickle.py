@@ -79,10 +79,6 @@ class Kind:
         object.__setattr__(self, "field_set", frozenset(self.fields))
         object.__setattr__(self, "default_map", dict(self.defaults))
 
-    @property
-    def frozen(self) -> bool:
-        return self.hash_fields is not None
-
 
 #: Every dataclass a DCP ``.metadata`` may name, by its short name.
 KINDS: dict[str, Kind] = {k.name: k for k in (
@@ -159,10 +155,6 @@ class Enum:
     kind: str
     value: int
 
-    @property
-    def name(self) -> str:
-        return ENUMS[self.kind][1][self.value]
-
     __setstate__ = refuse_build
 
 
@@ -222,9 +214,6 @@ class _Record:
         # Only REDUCE (a call of the class) gets here; NEWOBJ calls __new__ alone.
         raise BadPickle(f"{self._kind.name} is called, which DCP never pickles")
 
-    def __setattr__(self, key: str, value: Any) -> None:
-        raise BadPickle("the pickle sets an attribute outside BUILD")
-
     def __setstate__(self, state: Any) -> None:
         kind = self._kind
         budget = self._budget
@@ -252,7 +241,7 @@ class _Record:
         if slots is not None:
             if type(slots) is not dict:
                 raise BadPickle(f"{kind.name} slot state is {type(slots).__name__}, not a dictionary")
-            if kind.frozen and slots:
+            if kind.hash_fields is not None and slots:  # hashable: a frozen dataclass
                 raise BadPickle(f"{kind.name} is frozen; setting attributes on it fails")
             self._set_fields(slots)
 
@@ -260,9 +249,6 @@ class _Record:
         kind = self._kind
         self._budget.charge(len(values))
         fields = kind.field_set
-        if values.keys() <= fields:  # the usual case, checked in one step
-            self._f.update(values)
-            return
         for key in values:
             if type(key) is not str:
                 raise BadPickle(f"{kind.name} has an attribute named by a {type(key).__name__}")
@@ -271,6 +257,7 @@ class _Record:
         self._f.update(values)
 
     def __hash__(self) -> int:
+        # Equality stays object identity: equal keys stay two entries, which validation refuses as a repeat.
         kind = self._kind
         if kind.hash_fields is None:
             raise BadPickle(f"{kind.name} is unhashable but used as a dict key or set member")
@@ -292,9 +279,6 @@ class _Record:
             return hash(tuple(values))
         except TypeError as exc:
             raise BadPickle(f"{kind.name} holds an unhashable value: {exc}") from None
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
 
 
 _set_f = _Record._f.__set__  # type: ignore[attr-defined]
@@ -390,10 +374,6 @@ ALLOWED_GLOBALS: frozenset[str] = frozenset(f"{module}.{name}" for module, name 
 
 
 _INT_ONLY = frozenset({int})
-
-
-
-
 
 
 def parse(data: bytes) -> Any:

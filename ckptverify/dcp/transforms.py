@@ -54,8 +54,6 @@ def decode(raw: bytes, descriptors: Sequence[str], *, registry: Any = None,
     :class:`TransformError`."""
     data = raw
     for desc in descriptors:
-        if not isinstance(desc, str):
-            raise TransformError(f"transform descriptor {desc!r} is not a string")
         name, _, version = desc.partition("/")
         if name == ZSTD and version.partition(".")[0] == "1" and registry is None:
             data = _zstd(data, limit)

@@ -143,28 +143,22 @@ class _HashingStream:
         size = b.nbytes if type(b) is memoryview else memoryview(b).nbytes
         if size < SMALL_WRITE_BYTES:
             # The common case by count (torch.save writes a few dozen small records per item): kept short.
-            n = self._raw.write(b)
-            if n is None:  # a non-blocking raw stream; DCP never opens one
-                raise OSError("the underlying stream accepted no bytes")
-            self._pending += b if n == size else memoryview(b).cast("B")[:n]
-            self._pos += n
+            _check_written(self._raw.write(b), size)
+            self._pending += b
+            self._pos += size
             if len(self._pending) >= COALESCE_BYTES:
                 self._drain()
-            return n
+            return size
         view = memoryview(b).cast("B")
         self._drain()
         seg = self._segment()
         if size >= PARALLEL_HASH_MIN_BYTES:
             return self._write_pipelined(view, seg, self._fused(view) if self._fused is not None else None)
-        n = self._raw.write(view)
-        if n is None:
-            raise OSError("the underlying stream accepted no bytes")
-        if n != size:
-            view = view[:n]
+        _check_written(self._raw.write(view), size)
         self._file_digest.update(view)
         seg.update(view)
-        self._pos += n
-        return n
+        self._pos += size
+        return size
 
     def _segment(self) -> BlockDigest:
         """The current segment's digest (started at its first byte)."""
@@ -191,12 +185,9 @@ class _HashingStream:
                 # Smaller tail pieces: the write ends waiting on the last piece's digest.
                 step = PIECE_BYTES if total - pos > PIECE_BYTES else TAIL_PIECE_BYTES
                 piece = view[pos : pos + step]
-                n = self._raw.write(piece)
-                if n != len(piece):
-                    # The digests take whole pieces: a short write would make them wrong.
-                    raise OSError(f"short write: {pos + (n or 0)} of {total} bytes")
+                _check_written(self._raw.write(piece), len(piece))
                 lane.wait(PIECES_IN_FLIGHT - 1)
-                pos += n
+                pos += len(piece)
                 lane.put(piece, pos)
         finally:
             lane.wait(0)
@@ -259,6 +250,13 @@ class _HashingStream:
             self._cut()
             self._record = _FileRecord(self._pos, self._file_digest.hexdigest(), self._segments)
         return self._record
+
+
+def _check_written(n: int | None, size: int) -> None:
+    # DCP's buffered files take every byte or raise; a stream taking less (or, non-blocking, none) would leave
+    # digests of bytes it did not write.
+    if n != size:
+        raise OSError(f"short write: {n or 0} of {size} bytes")
 
 
 def _digest_piece(file_digest: Any, seg: BlockDigest, piece: memoryview) -> None:

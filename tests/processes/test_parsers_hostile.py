@@ -153,6 +153,22 @@ def test_hostile_safetensors_header_is_a_blob_error(tmp_path: Path, name: str) -
         _blob(tmp_path, _safetensors_bytes(None, b"\0" * 8, raw_header=HOSTILE_HEADERS[name]))
 
 
+@pytest.mark.parametrize(("data", "match"), [
+    (b"\x10\0\0", "header length is cut short"),
+    (struct.pack("<Q", 1 << 20) + b"{}", "past the end of the file"),
+    (_safetensors_bytes([1]), "not a JSON object"),
+    (_safetensors_bytes({"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, b"\0" * 4), "invalid range"),
+    (_safetensors_bytes({"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8),
+     "does not start where the previous one ended"),
+    (_safetensors_bytes({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                         "b": {"dtype": "F32", "shape": [1], "data_offsets": [2, 6]}}, b"\0" * 8),
+     "'b' does not start where the previous one ended"),
+])
+def test_a_malformed_safetensors_blob_names_what_is_wrong(tmp_path: Path, data: bytes, match: str) -> None:
+    with pytest.raises(ArchiveError, match=match):
+        _blob(tmp_path, data)
+
+
 def test_a_well_formed_header_still_reads(tmp_path: Path) -> None:
     blob = _blob(tmp_path, _safetensors_bytes(
         {"a": {"dtype": "F32", "shape": [2, 1], "data_offsets": [0, 8]},

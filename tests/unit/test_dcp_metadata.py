@@ -130,6 +130,79 @@ def test_storage_paths_outside_the_directory_are_refused(tmp_path, bad):
     assert layout is not None and layout.items == []
 
 
+def test_a_storage_path_outside_the_directory_is_refused_by_the_safe_reader(tmp_path):
+    from ckptverify.dcp.storage_reader import SafeFileSystemReader
+    from ckptverify.errors import CheckpointRefusedError
+
+    path = _save(tmp_path, {"w": torch.ones(2)})
+    real = pickle.loads((path / ".metadata").read_bytes())
+    for info in real.storage_data.values():
+        info.relative_path = "../outside.distcp"
+    (path / ".metadata").write_bytes(pickle.dumps(real))
+    with pytest.raises(CheckpointRefusedError, match=r"path '\.\./outside\.distcp' of 'w' leaves the checkpoint"):
+        SafeFileSystemReader(str(path)).read_metadata()
+
+
+def test_the_safe_reader_refuses_unreadable_metadata_and_completes_an_old_one(tmp_path):
+    from ckptverify.dcp.storage_reader import SafeFileSystemReader
+    from ckptverify.errors import CheckpointRefusedError
+
+    path = _save(tmp_path, {"w": torch.ones(2)})
+    good = (path / ".metadata").read_bytes()
+    real = pickle.loads(good)
+    real.storage_meta = None  # as DCP before storage_meta wrote it
+    (path / ".metadata").write_bytes(pickle.dumps(real))
+    reader = SafeFileSystemReader(str(path))
+    assert reader.read_metadata().storage_meta.load_id == reader.load_id
+    (path / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointRefusedError, match=r"^refusing \.metadata: "):
+        SafeFileSystemReader(str(path)).read_metadata()
+    (path / ".metadata").unlink()
+    (path / ".metadata").mkdir()
+    with pytest.raises(CheckpointRefusedError, match=r"^cannot read \.metadata: "):
+        SafeFileSystemReader(str(path)).read_metadata()
+
+
+def test_a_storage_entry_listed_twice_is_unreadable(tmp_path):
+    """Real unpickling would keep one of two equal keys; the safe parse keeps both and refuses the repeat."""
+    path = _save(tmp_path, {"w": torch.ones(2)})
+    real = pickle.loads((path / ".metadata").read_bytes())
+    (key, info), = real.storage_data.items()
+    real.storage_data = {key: info, dataclasses.replace(key, fqn="Q"): info}
+    data = pickle.dumps(real)
+    assert data.count(b"\x8c\x01Q") == 1
+    # The second key renamed to the first: a real dict would keep one of the two, the bytes hold both.
+    (path / ".metadata").write_bytes(data.replace(b"\x8c\x01Q", b"\x8c\x01w"))
+    layout, findings = md.read_layout(str(path))
+    assert layout is None and findings[0].check == "metadata-unreadable"
+    assert "storage entry 'w' at (0,) appears twice" in findings[0].message
+
+
+def _hostile_planner_data():
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, BytesStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+
+    return {
+        "a string in planner_data is too long": "x" * (md.MAX_STRING + 1),
+        "planner_data holds a _MEM_FORMAT_ENCODING": [_MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST],
+        "planner_data has a dict key of type Obj": {MetadataIndex("w"): 1},
+        "usable of a plan in planner_data must be a bool, got 'yes'": SavePlan(items=[], usable="yes"),
+        "a write item in planner_data has no WriteItemType": [WriteItem(index=MetadataIndex("w"), type=None)],
+        "planner_data holds a BytesStorageMetadata, which belongs elsewhere": {"w": BytesStorageMetadata()},
+    }
+
+
+@pytest.mark.parametrize("message", sorted(_hostile_planner_data()))
+def test_planner_data_holding_what_dcp_never_writes_there_is_unreadable(tmp_path, message):
+    path = _save(tmp_path, {"w": torch.ones(2)})
+    real = pickle.loads((path / ".metadata").read_bytes())
+    real.planner_data = _hostile_planner_data()[message]
+    (path / ".metadata").write_bytes(pickle.dumps(real))
+    layout, findings = md.read_layout(str(path))
+    assert layout is None and findings[0].check == "metadata-unreadable"
+    assert message in findings[0].message
+
+
 @pytest.mark.parametrize("field,value", [("offset", -1), ("length", 2**70), ("offset", "12"), ("length", True)])
 def test_hostile_offsets_and_lengths_are_unreadable_not_trusted(tmp_path, field, value):
     path = _save(tmp_path, {"w": torch.ones(2)})

@@ -341,6 +341,36 @@ def test_dcps_own_zstd_streams_decode_by_the_one_bounded_decoder() -> None:
         decode(bomb, ["stream.zstd/1"], limit=1 << 20)
 
 
+class _Codec:
+    """A registered stream transform that decodes to ``data``, or raises ``error``."""
+
+    def __init__(self, data: bytes = b"", error: Exception | None = None) -> None:
+        self.data, self.error = data, error
+
+    def from_descriptor_list(self, descriptors: list[str]) -> list[_Codec]:
+        return [self]
+
+    def transform_from(self, stream: object) -> object:
+        import contextlib
+        import io
+
+        if self.error is not None:
+            raise self.error
+        return contextlib.nullcontext(io.BytesIO(self.data))
+
+
+def test_a_registered_transform_decodes_within_its_bound_and_its_failure_is_named() -> None:
+    from ckptverify.dcp.transforms import decode
+
+    assert decode(b"raw", ["my.codec/1"], registry=_Codec(b"decoded")) == b"decoded"
+    with pytest.raises(TransformError, match="more than 4 bytes"):
+        decode(b"raw", ["my.codec/1"], registry=_Codec(b"decoded"), limit=4)
+    with pytest.raises(TransformError, match=r"'my\.codec/1' stream does not decode: ValueError: damaged"):
+        decode(b"raw", ["my.codec/1"], registry=_Codec(error=ValueError("damaged")))
+    with pytest.raises(TransformError, match=r"no decoder for the stream transform 'my\.codec/1'"):
+        decode(b"raw", ["my.codec/1"])
+
+
 def test_a_zstd_bomb_is_refused_within_its_bound() -> None:
     zstandard = pytest.importorskip("zstandard")
     from ckptverify.dcp.transforms import decode

@@ -222,6 +222,52 @@ def test_an_uncommitted_save_is_refused_even_without_verification(good, tmp_path
         assert_unchanged(before, snapshot(state))
 
 
+def test_an_untrustworthy_manifest_is_refused_without_verification_and_changes_nothing(good, tmp_path) -> None:
+    import json
+    import shutil
+
+    from ckptverify.errors import ProofFailedError
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE
+
+    path, _ = good
+    edited = tmp_path / "edited"
+    shutil.copytree(path, edited)
+    manifest = json.loads((edited / MANIFEST_FILE).read_text())
+    manifest["block_bytes"] = "x"
+    (edited / MANIFEST_FILE).write_text(json.dumps(manifest))
+    state = build(5)
+    before = snapshot(state)
+    with pytest.raises(ProofFailedError, match="its manifest cannot be trusted \\(manifest-invalid\\)") as info:
+        ckptverify.load(state, edited, verify="off")
+    assert [f.check for f in info.value.report.findings] == ["manifest-invalid"]
+    assert_unchanged(before, snapshot(state))
+
+
+def test_an_item_cut_short_fails_its_proof_and_changes_nothing(good, tmp_path) -> None:
+    import os
+    import shutil
+
+    from ckptverify.errors import ProofFailedError
+
+    path, _ = good
+    cut = tmp_path / "cut"
+    shutil.copytree(path, cut)
+    shard = max(cut.glob("*.distcp"), key=os.path.getsize)
+    os.truncate(shard, shard.stat().st_size - 10)
+    state = build(5)
+    before = snapshot(state)
+    with pytest.raises(ProofFailedError, match=r"are cut short: \d+ of \d+ bytes could be read \(item-bounds\)"):
+        ckptverify.load(state, cut, verify="off")  # a verification would refuse it before reading
+    assert_unchanged(before, snapshot(state))
+
+
+def test_picking_from_a_run_directory_that_is_not_one_is_not_found(tmp_path) -> None:
+    from ckptverify.errors import CheckpointNotFoundError
+
+    with pytest.raises(CheckpointNotFoundError, match="not a directory"):
+        ckptverify.load(build(5, stepped=False), tmp_path / "missing", pick="latest-verified")
+
+
 def test_a_corrupt_checkpoint_is_refused_and_changes_nothing(good, tmp_path) -> None:
     import shutil
 

@@ -254,3 +254,26 @@ def test_values_made_by_stand_ins_cannot_be_rewritten(value):
     for state in (b"X\x0d\x00\x00\x00WriteItemTypeK\x63\x86", b"}X\x01\x00\x00\x00aK\x01s"):
         with pytest.raises(BadPickle):
             sp.parse(b"\x80\x02" + value + state + b"b.")
+
+
+def _built(cls: str, state: bytes) -> bytes:
+    """A protocol-4 pickle of a DCP metadata dataclass made by NEWOBJ, then BUILD with ``state`` (pickle opcodes)."""
+    def text(v: str) -> bytes:
+        return b"\x8c" + bytes([len(v)]) + v.encode()
+
+    return (b"\x80\x04" + text("torch.distributed.checkpoint.metadata") + text(cls) + b"\x93)\x81"
+            + state + b"b.")
+
+
+def test_slot_state_is_set_on_a_plain_dataclass_and_refused_on_a_frozen_one():
+    """pickle sets a (dict, slots) state's slots with setattr, which a frozen dataclass refuses."""
+    slots = b"N}" + b"\x8c\x03fqn\x8c\x01w" + b"s\x86"  # (None, {"fqn": "w"})
+    with pytest.raises(BadPickle, match="MetadataIndex is frozen; setting attributes on it fails"):
+        sp.parse(_built("MetadataIndex", slots))
+    from dataclasses import FrozenInstanceError
+
+    with pytest.raises(FrozenInstanceError):
+        pickle.loads(_built("MetadataIndex", slots))  # test-made: what real unpickling does
+    empty = sp.parse(_built("BytesStorageMetadata", b"N}\x86"))  # (None, {}): nothing to set
+    assert empty.kind == "BytesStorageMetadata"
+

@@ -548,6 +548,13 @@ def test_bad_arguments_are_usage_errors(tmp_path: Path, kwargs: dict[str, Any], 
             HashingFileSystemWriter(str(tmp_path), **kwargs)
 
 
+@pytest.mark.parametrize("path", ["s3://bucket/ckpt", "file:///tmp/ckpt", b"ckpt", 7])
+def test_a_path_that_is_not_a_local_directory_path_is_a_usage_error(path: Any) -> None:
+    for fn in (save, async_save):
+        with pytest.raises(UsageError, match="path must be a local directory path"):
+            fn({"x": torch.zeros(1)}, path)
+
+
 def test_usage_error_is_exit_code_2() -> None:
     with pytest.raises(UsageError) as info:
         save({}, "/nonexistent", digest="crc32")

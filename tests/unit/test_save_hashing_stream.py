@@ -122,14 +122,15 @@ class _ShortLargeRaw(io.RawIOBase):
         return max(0, memoryview(b).nbytes - 1)
 
 
-def test_short_write_of_a_piece_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The digests take whole pieces: a raw stream that takes less than a piece fails the write."""
+@pytest.mark.parametrize("size", [5, 500, 5000])  # coalesced, digested at once, pipelined in pieces
+def test_a_short_write_is_an_error(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    """The digests take whole writes: a raw stream that takes less than it was given fails the write."""
     monkeypatch.setattr(w, "SMALL_WRITE_BYTES", 10)
     monkeypatch.setattr(w, "PARALLEL_HASH_MIN_BYTES", 1000)
     monkeypatch.setattr(w, "PIECE_BYTES", 300)
     stream = w._HashingStream(_ShortLargeRaw(), "xxh3-128", 100)
     with pytest.raises(OSError, match="short write"):
-        stream.write(b"x" * 5000)
+        stream.write(b"x" * size)
 
 
 def test_pieces_no_pool_thread_took_are_digested_by_the_writer(monkeypatch: pytest.MonkeyPatch) -> None:
