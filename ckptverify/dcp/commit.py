@@ -1,7 +1,7 @@
 """The commit protocol of a ckptverify save: an exclusive, crash-released lock and an in-progress marker.
 
 A save rewriting a checkpoint in place and killed halfway would leave the old ``.metadata`` over mixed shards,
-every item still well formed. So before any rank writes, the coordinator creates :data:`MARKER_FILE` and takes
+every item still well formed. So before any rank writes, the coordinator creates :data:`SAVE_MARKER` and takes
 a non-blocking ``flock`` on it (a concurrent save fails at once; the kernel drops it if the process dies),
 records who is saving (fsynced with the directory), and removes the earlier manifest and metadata files so the
 directory reads as no checkpoint. After ``.metadata``, the manifest is written atomically (the commit), then the
@@ -25,10 +25,8 @@ from ckptverify.errors import SaveFailedError
 from ckptverify.ownfiles.names import MANIFEST_TEMP_PREFIX, SAVE_MARKER
 from ckptverify.safeparse import paths, safejson
 
-__all__ = ["MARKER_FILE", "MARKER_MAX_BYTES", "SaveLock", "begin_save", "read_marker"]
+__all__ = ["MARKER_MAX_BYTES", "SaveLock", "begin_save", "read_marker"]
 
-#: The in-progress marker (and lock file) of a save that has not committed.
-MARKER_FILE = SAVE_MARKER
 #: The most of the marker that is ever read (it holds a few short fields).
 MARKER_MAX_BYTES = 4096
 #: Metadata files an earlier save may have left, and temporaries of killed metadata or manifest writes.
@@ -55,7 +53,7 @@ class SaveLock:
     def commit(self) -> None:
         """The save committed (its manifest is in place): remove the marker, then drop the lock. Only on a held lock."""
         try:
-            os.unlink(os.path.join(self.root, MARKER_FILE))
+            os.unlink(os.path.join(self.root, SAVE_MARKER))
             _fsync_dir(self.root)
         finally:
             self.release()
@@ -85,7 +83,7 @@ def begin_save(root: str, save_id: str) -> SaveLock:
     :class:`~ckptverify.errors.SaveFailedError` if another save holds it, ``OSError`` if the marker cannot be created.
     """
     os.makedirs(root, exist_ok=True)
-    path = os.path.join(root, MARKER_FILE)
+    path = os.path.join(root, SAVE_MARKER)
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     for _ in range(100):
         fd = os.open(path, flags, 0o644)
@@ -157,7 +155,7 @@ def describe_marker(info: dict[str, Any]) -> str:
 def read_marker(root: str) -> dict[str, Any] | None:
     """The marker's fields if ``root`` holds one (``{}`` if unreadable or not regular), else ``None``. Never follows a
     link, never blocks, reads at most :data:`MARKER_MAX_BYTES`."""
-    path = os.path.join(root, MARKER_FILE)
+    path = os.path.join(root, SAVE_MARKER)
     if not paths.lexists(path):
         return None
     if paths.is_url(path):  # an object: no links, nothing that blocks

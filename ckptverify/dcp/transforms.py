@@ -107,7 +107,7 @@ class DecodedItem(Folding):
             return b""
         return self.data[offset:offset + n]
 
-    def fold_at(self, start: int, end: int, fn: Any, progress: Any = None) -> None:
+    def fold_at(self, start: int, end: int, fn: Any) -> None:
         with memoryview(self.data)[start:end] as view:
             fn(view, start)
 

@@ -24,9 +24,10 @@ import torch
 
 import ckptverify
 from ckptverify.audit.verify import verify_checkpoint
-from ckptverify.dcp.commit import MARKER_FILE, begin_save, read_marker
+from ckptverify.dcp.commit import begin_save, read_marker
 from ckptverify.errors import SaveFailedError
 from ckptverify.ownfiles.manifest import MANIFEST_FILE
+from ckptverify.ownfiles.names import SAVE_MARKER
 
 # The jobs are scripts/chaos_save.py's own (the tool runs them at random kill points; these tests at chosen ones).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -113,7 +114,7 @@ def test_an_uninterrupted_resave_commits(tmp_path: Path, zygote: chaos.Zygote) -
     result = chaos.run_job(chaos.Job(world=1, existing=True), path, zygote=zygote)
     assert result["returncodes"] == [0], result["output"]
     assert chaos.judge(path, existing=True) == ("new", "")
-    assert not (path / MARKER_FILE).exists()
+    assert not (path / SAVE_MARKER).exists()
 
 
 # ------------------------------------------------------------------------------------- concurrent saves
@@ -232,18 +233,18 @@ def test_saves_into_one_directory_from_many_threads_never_mix(tmp_path: Path) ->
 def test_verify_names_the_save_that_did_not_commit(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     ckptverify.save({"w": torch.zeros(4)}, path)
-    (path / MARKER_FILE).write_text(json.dumps({"save_id": "abc", "pid": 4242, "host": "node7",
+    (path / SAVE_MARKER).write_text(json.dumps({"save_id": "abc", "pid": 4242, "host": "node7",
                                                 "started": "2026-01-01T00:00:00+00:00"}))
     errors = verify_checkpoint(path, jobs=1).errors
     hit = next(f for f in errors if f.check == "save-uncommitted")
-    assert "pid 4242" in hit.message and "node7" in hit.message and hit.location.file == MARKER_FILE
+    assert "pid 4242" in hit.message and "node7" in hit.message and hit.location.file == SAVE_MARKER
 
 
 @pytest.mark.parametrize("kind", ["fifo", "symlink to /dev/zero", "directory", "garbage"])
 def test_a_marker_of_any_kind_is_reported_without_hanging(tmp_path: Path, kind: str) -> None:
     path = tmp_path / "ckpt"
     ckptverify.save({"w": torch.zeros(4)}, path)
-    marker = path / MARKER_FILE
+    marker = path / SAVE_MARKER
     if kind == "fifo":
         os.mkfifo(marker)
     elif kind == "directory":

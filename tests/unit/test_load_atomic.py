@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckptverify
-from ckptverify.dcp.commit import MARKER_FILE
+from ckptverify.dcp.commit import SAVE_MARKER
 from ckptverify.errors import CheckpointRefusedError, CkptVerifyError, UsageError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -213,7 +213,7 @@ def test_an_uncommitted_save_is_refused_even_without_verification(good, tmp_path
     path, _ = good
     torn = tmp_path / "torn"
     shutil.copytree(path, torn)
-    (torn / MARKER_FILE).write_text('{"save_id": "x", "pid": 1}')
+    (torn / SAVE_MARKER).write_text('{"save_id": "x", "pid": 1}')
     for verify in ("inline", "off"):
         state = build(5)
         before = snapshot(state)
