@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import ckptverify
-from ckptverify.dcp.commit import SAVE_MARKER
 from ckptverify.errors import CheckpointRefusedError, CkptVerifyError, UsageError
+from ckptverify.ownfiles.names import SAVE_MARKER
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -200,7 +200,7 @@ def test_missing_commit_marker(s3: Any, tmp_path: Path) -> None:
 
 
 def test_uncommitted_save_marker(s3: Any) -> None:
-    from ckptverify.dcp.commit import SAVE_MARKER
+    from ckptverify.ownfiles.names import SAVE_MARKER
 
     url = save_s3(fresh("marker"))
     s3.pipe_file(f"{url}/{SAVE_MARKER}".removeprefix("s3://"), json.dumps({"save_id": "s1", "pid": 7}).encode())
