@@ -236,6 +236,18 @@ def test_held_values_beyond_the_bounds_or_unreadable_are_said_not_compared(monke
     assert held["truncated"] and list(held["entries"]) == ["a"]
 
 
+def test_sparse_tensors_have_no_memory_to_alias_and_are_said_not_compared() -> None:
+    """A sparse tensor has no storage: registered, it covers no held value; held, it is named as not compared,
+    while a dense value beside it is compared and an alias of the registered weight is not."""
+    model = torch.nn.Linear(2, 2)
+    sparse = torch.eye(2).to_sparse()
+    model.register_buffer("mask", sparse)
+    held = held_state({"mask_copy": sparse.clone(), "scale": torch.ones(1), "weight": model.weight.data},
+                      TrainState(model=model))
+    assert held["skipped"] == ["mask_copy"] and not held["truncated"]
+    assert list(held["entries"]) == ["scale"] and held["entries"]["scale"]["var"] == "scale"
+
+
 def test_a_crash_leaving_no_rank_text_is_said_with_the_launch_error(tmp_path) -> None:
     jobs = [("x.py:train", RunConfig(name="A", trace_dir=str(tmp_path / "trace")))]
     with pytest.raises(CkptVerifyError, match="the workload crashed in run A: ProcessExitedException\nsignal 9"):
