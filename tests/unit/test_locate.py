@@ -421,3 +421,61 @@ def test_logs_of_a_window_are_compared_step_by_step():
     got = locate(a, b, step=13)
     assert got.origin is not None and (got.origin.step, got.origin.op) == (13, "aten.mm.default")
     assert got.step == 13
+
+
+def test_ranks_born_at_different_ops_are_each_named_with_their_op():
+    """Rank 0's custom op is nondeterministic on side B while rank 1 runs one more op there: each rank is an origin
+    on its own, at its own op, and the sentence names each."""
+    a = {0: [ddp_step(0)], 1: [ddp_step(1)]}
+    b = {0: [ddp_step(0, noise="n")], 1: [ddp_step(1, extra_op=True)]}
+    got = locate(a, b)
+    assert [(o.rank, o.op) for o in got.origins] == [(0, "mylib.noisy_gelu.default"), (1, "aten.mul.Tensor")]
+    assert got.origin is not None and (got.origin.rank, got.origin.op) == (None, None)
+    assert got.receivers == ()
+    assert got.sentence() == (f"The divergence at step {STEP} is born on ranks 0, 1 (each on its own) at different "
+                              "ops: rank 0: mylib.noisy_gelu.default (occurrence 0); rank 1: aten.mul.Tensor "
+                              "(occurrence 0).")
+
+
+def test_an_op_on_one_side_only_counts_in_pairs_where_an_earlier_op_differed_first():
+    """Side B runs one more op in repeats 0 and 1; in repeat 1 an earlier op also differs, so that op is the
+    rank's first difference there, yet the extra op still ran on one side only: 2 of 3 pairs. Repeat 2 runs the
+    same ops on both sides and does not count."""
+    a = {0: rep(3, lambda i: ddp_step(0))}
+    b = {0: [ddp_step(0, extra_op=True), ddp_step(0, extra_op=True, noise="n"), ddp_step(0)]}
+    got = locate(a, b)
+    assert got.origin is not None
+    assert (got.origin.op, got.origin.repeats_differing) == ("aten.mul.Tensor", 2)
+    assert "ran on side B only (in 2 of 3 repeat pairs)" in got.sentence()
+
+
+def _stages(rank: int, noise: object = None, send: bool = True) -> list[OpEvent]:
+    """A two-stage pipeline step: rank 0 computes and sends (unless ``send`` is false), rank 1 receives."""
+    log = Log()
+    if rank == 0:
+        h = fp("stage0", noise)
+        log.op("forward", "stage0.fc", "mylib.noisy_gelu.default", (fp("x"),), (h,))
+        if send:
+            log.comm("forward", "", "send", (h,), (), peer=1)
+    else:
+        got = fp("recv", fp("stage0", noise))
+        log.comm("forward", "", "recv_", (None,), (got,), peer=0)
+        log.op("forward", "stage1.fc", "aten.mm.default", (got, fp("w1")), (fp("y", got),))
+    return log.events
+
+
+def test_a_receive_whose_send_the_peer_log_does_not_pair_names_the_peer_not_the_transfer():
+    """The peer's log is here but holds no send to pair with the receive on both sides: whether the peer fed a
+    difference is unknown, so the receive is not called the origin; the data came from the peer."""
+    via = {"collective": "recv_", "group": [0, 1], "seq": 0, "senders": [0]}
+    # Side B's peer recorded no send: the send ran on side A only, and rank 1 got the difference through it.
+    got = locate({0: [_stages(0)], 1: [_stages(1)]}, {0: [_stages(0, send=False)], 1: [_stages(1, noise="n")]})
+    assert got.origin is not None and (got.origin.kind, got.origin.rank, got.origin.op) == \
+        ("op", 0, "c10d.send.default")
+    assert [r.to_dict()["via"] for r in got.receivers] == [via]
+    # Neither side's peer log holds the send: nothing is named origin.
+    got = locate({0: [_stages(0, send=False)], 1: [_stages(1)]},
+                 {0: [_stages(0, send=False)], 1: [_stages(1, noise="n")]})
+    assert got.origin is None and [r.to_dict()["via"] for r in got.receivers] == [via]
+    assert got.sentence() == (f"Step {STEP} differs on rank 1, but no log here shows where it is born; rank 1 "
+                              "received it through recv_ (group [0, 1], seq 0) from rank 0.")

@@ -76,6 +76,42 @@ def test_a_target_that_is_not_a_function_is_refused(modules) -> None:
         harness_target.check_target("cv_value_target:train")
 
 
+def test_a_module_inside_a_package_is_loaded_checked_and_forgotten(modules, tmp_path) -> None:
+    """``package.module:FUNC``: the check finds the function in the submodule and forgets the package and its
+    submodule afterwards (found only through the working directory); a misspelt function is refused with the
+    name it most likely means; a rank loads that same function."""
+    pkg = tmp_path / "cv_pkg_target"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub.py").write_text("def main(run):\n    run.restore(None)\n")
+    try:
+        assert harness_target.check_target("cv_pkg_target.sub:main") == str(pkg / "sub.py")
+        assert "cv_pkg_target" not in sys.modules and "cv_pkg_target.sub" not in sys.modules
+        with pytest.raises(UsageError) as refused:
+            harness_target.check_target("cv_pkg_target.sub:mian")
+        assert str(refused.value) == (
+            "cv_pkg_target.sub has no function 'mian'; did you mean 'main'? (functions defined there: main)\n"
+            f'  File "{pkg / "sub.py"}", line 1, in main\n    def main(run):')
+        func = harness_target.load_target("cv_pkg_target.sub:main")
+        assert (func.__module__, func.__qualname__) == ("cv_pkg_target.sub", "main")
+    finally:
+        for name in ("cv_pkg_target", "cv_pkg_target.sub"):
+            sys.modules.pop(name, None)
+
+
+def test_a_file_target_inside_a_package_forgets_the_packages_it_found_beside_it(tmp_path, monkeypatch) -> None:
+    """``FILE.py:FUNC`` of a file inside a package that imports a sibling package: the sibling, found only through
+    the file's folder, is forgotten after the check (a later script's same-named sibling is its own)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    proj = tmp_path / "cv_proj_target"
+    (proj / "cv_models_beside").mkdir(parents=True)
+    (proj / "__init__.py").write_text("")
+    (proj / "cv_models_beside" / "__init__.py").write_text("WIDTH = 4\n")
+    (proj / "train.py").write_text("from cv_models_beside import WIDTH\n\ndef train(run):\n    run.restore(WIDTH)\n")
+    assert harness_target.check_target(f"{proj / 'train.py'}:train") == str(proj / "train.py")
+    assert "cv_models_beside" not in sys.modules
+
+
 def _pumped(data: bytes) -> list[bytes]:
     """The writes :func:`harness_output._pump` makes for ``data`` written into its pipe."""
     read, write = os.pipe()
@@ -234,6 +270,18 @@ def test_held_values_beyond_the_bounds_or_unreadable_are_said_not_compared(monke
     monkeypatch.setattr(unregistered, "HELD_VISITS", 1)
     held = held_state({"a": torch.ones(1), "b": torch.zeros(1)}, state)
     assert held["truncated"] and list(held["entries"]) == ["a"]
+
+
+def test_sparse_tensors_have_no_memory_to_alias_and_are_said_not_compared() -> None:
+    """A sparse tensor has no storage: registered, it covers no held value; held, it is named as not compared,
+    while a dense value beside it is compared and an alias of the registered weight is not."""
+    model = torch.nn.Linear(2, 2)
+    sparse = torch.eye(2).to_sparse()
+    model.register_buffer("mask", sparse)
+    held = held_state({"mask_copy": sparse.clone(), "scale": torch.ones(1), "weight": model.weight.data},
+                      TrainState(model=model))
+    assert held["skipped"] == ["mask_copy"] and not held["truncated"]
+    assert list(held["entries"]) == ["scale"] and held["entries"]["scale"]["var"] == "scale"
 
 
 def test_a_crash_leaving_no_rank_text_is_said_with_the_launch_error(tmp_path) -> None:

@@ -11,7 +11,8 @@ from ckptverify.resume.compare import SiteDiff, step_evidence
 from ckptverify.trace.compare import rank_comparisons
 
 
-def _run(path: Path, detail: str, lrs: list[float]) -> str:
+def _run(path: Path, detail: str, lrs: list[float], momenta: list[float] | None = None) -> str:
+    """A trace of one SGD optimizer's start hyperparameters: per step its ``lr`` (and ``momentum``)."""
     import torch
 
     from ckptverify.trace.hyperparams import _HparamCells
@@ -21,7 +22,8 @@ def _run(path: Path, detail: str, lrs: list[float]) -> str:
     header = TraceHeader(run=path.name, level="state", detail=detail, rank=0, world_size=1)
     with TraceWriter(path / "rank0", header=header) as w:
         for step, lr in enumerate(lrs, 1):
-            opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+            momentum = {} if momenta is None else {"momentum": momenta[step - 1]}
+            opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr, **momentum)
             w.append(step, [*start([opt]), Cell.from_float("metric.loss", "metric", 1.0)])
     return str(path)
 
@@ -38,3 +40,17 @@ def test_a_hyperparameter_changed_after_the_restore_is_named_by_its_field(tmp_pa
     # A later step compares with no restore: who moved it is not known.
     ev = step_evidence(comparison, first_resumed=False, restored={"start.hparam.0.lr": 0.1})
     assert ev.hparams_start == (SiteDiff("0.lr", want_a, 0.3),)
+
+
+def test_a_category_cell_of_several_changed_hyperparameters_names_the_field_that_moved(tmp_path: Path) -> None:
+    """Production's category cell against a replay's fields, two fields changed at once: the cell's bits name
+    neither, so B's field that moved since the restore stands for it, else B's first field."""
+    a = _run(tmp_path / "a", "category", [0.1, 0.1, 0.1], [0.9, 0.9, 0.9])
+    b = _run(tmp_path / "b", "tensor", [0.1, 0.1, 0.3], [0.9, 0.9, 0.5])
+    (comparison,) = rank_comparisons(a, b, steps=range(3, 4))
+    assert comparison.first_differing == ("start.hparam.*",)
+    restored = {"start.hparam.0.lr": 0.3, "start.hparam.0.momentum": 0.9}
+    ev = step_evidence(comparison, first_resumed=True, restored=restored)
+    assert ev.hparams_start == (SiteDiff("0.momentum", None, 0.5, a_moved=False, b_moved=True),)
+    ev = step_evidence(comparison, first_resumed=False, restored=restored)
+    assert ev.hparams_start == (SiteDiff("0.lr", None, 0.3),)
