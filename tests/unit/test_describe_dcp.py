@@ -9,8 +9,10 @@ bytes on disk, never against the description's own arithmetic.
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import shutil
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,6 +205,121 @@ def test_plain_values_of_non_tensor_items(tmp_path: Path) -> None:
         assert desc.values == {k: v for k, v in every.items() if k != "optim.param_groups.0.lr"}
     with described(path) as (_, desc):
         assert desc.values == {}
+
+
+def _item(path: Path, stored: Any) -> bytes:
+    with path.joinpath(stored.file).open("rb") as f:
+        f.seek(stored.offset)
+        return f.read(stored.length)
+
+
+def test_a_plain_value_the_inert_reader_refuses_is_its_pickle_digest(tmp_path: Path) -> None:
+    """A value whose pickle the inert reader refuses (a deque: its items are appended to an instance of a class
+    it never imports) is described by the digest of its pickle, not by its contents."""
+    from ckptverify.errors import BadPickle
+    from ckptverify.fingerprint import digest_bytes
+    from ckptverify.safeparse.torchsave import scan_pickle
+
+    path = tmp_path / "d"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": torch.ones(3), "history": collections.deque([0.5, 0.25], maxlen=8)}, checkpoint_id=str(path))
+    with described(path, values=True) as (report, desc):
+        assert report.passed, [f.message for f in report.findings]
+        item = _item(path, next(s for s in desc.stored if s.name == "history"))
+        pkl = parse_archive(lambda o, n: item[o:o + n], len(item)).record("data.pkl")
+        assert pkl is not None
+        data = item[pkl.data_offset:pkl.data_end]
+        with pytest.raises(BadPickle, match="not a readable pickle"):
+            scan_pickle(data)
+        assert desc.values == {"history": f"pickle:xxh3-128:{digest_bytes(data)}"}
+
+
+def test_a_plain_value_whose_item_has_no_pickle_is_not_described(tmp_path: Path) -> None:
+    """A non-tensor item whose archive holds no ``data.pkl`` (renamed): a ``zip-structure`` error, and no value
+    rather than one read from another record."""
+    path = tmp_path / "n"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": torch.ones(3), "step": 7}, checkpoint_id=str(path))
+    with described(path, values=True) as (_, desc):
+        assert desc.values == {"step": "int:7"}
+        stored = next(s for s in desc.stored if s.name == "step")
+    item = _item(path, stored)
+    assert item.count(b"archive/data.pkl") == 2  # its local header and its central directory entry
+    raw = bytearray(path.joinpath(stored.file).read_bytes())
+    raw[stored.offset:stored.offset + stored.length] = item.replace(b"archive/data.pkl", b"archive/data.pkx")
+    path.joinpath(stored.file).write_bytes(bytes(raw))
+    with described(path, values=True) as (report, desc):
+        assert [(f.check, f.message) for f in report.errors] == [("zip-structure", "'step' has no data.pkl record")]
+        assert desc.values == {}
+
+
+def _mx(seed: int) -> Any:
+    pytest.importorskip("torchao", reason="torchao is not installed: pip install 'ckptverify[lowprec]'")
+    warnings.filterwarnings("ignore", message=".*register_constant.*")
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+    g = torch.Generator().manual_seed(seed)
+    return MXTensor.to_mx(torch.randn(4, 64, generator=g), torch.float8_e4m3fn, 32)
+
+
+def test_a_subclass_stored_as_a_chunk_of_a_larger_tensor_is_left_unread(tmp_path: Path) -> None:
+    """DCP saves a tensor subclass whole; metadata placing two (as two ranks' shards would be) in one larger
+    tensor leaves both unread, and ``--deep`` says the tensor was not rebuilt rather than judging its bytes."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    path = tmp_path / "s"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"mx": _mx(0), "lower": _mx(1)}, checkpoint_id=str(path))
+    meta = pickle.loads(path.joinpath(".metadata").read_bytes())  # written by the test itself just above
+    mx = meta.state_dict_metadata["mx"]
+    mx.size = torch.Size([8, 64])
+    mx.chunks.append(ChunkStorageMetadata(offsets=torch.Size([4, 0]), sizes=torch.Size([4, 64])))
+    del meta.state_dict_metadata["lower"]
+    meta.storage_data[MetadataIndex("mx", torch.Size([4, 0]), 0)] = meta.storage_data.pop(
+        MetadataIndex("lower", torch.Size([0, 0]), 0))
+    path.joinpath(".metadata").write_bytes(pickle.dumps(meta))
+    with described(path) as (report, desc):
+        assert report.passed, [f.message for f in report.findings]
+        t = desc.tensors["mx"]
+        assert t.subclass is None and not t.payloads
+        assert t.unread == [f"mx chunk {at}: a MXTensor stored as a chunk of a larger tensor"
+                            for at in ([0, 0], [4, 0])]
+    deep = verify_checkpoint(path, deep=True)
+    assert [(f.check, f.message) for f in deep.findings if f.check in ("fingerprint", "deep-nothing-rebuilt")] == [
+        ("fingerprint", "'mx' cannot be rebuilt from its bytes (mx chunk [0, 0]: a MXTensor stored as a chunk of "
+                        "a larger tensor)"),
+        ("deep-nothing-rebuilt", "--deep rebuilt none of the 1 tensor(s) from their bytes: nothing was checked end "
+                                 "to end")]
+
+
+def test_a_subclass_part_without_its_storage_record_is_left_unread(tmp_path: Path) -> None:
+    """The item's pickle names a storage record for the ``scale`` part that the archive does not hold (renamed):
+    a ``tensor-record`` error, and the tensor described as unread, its other part not taken for the whole."""
+    path = tmp_path / "s"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"mx": _mx(0), "lower": _mx(1)}, checkpoint_id=str(path))
+    with described(path) as (report, desc):
+        assert report.passed, [f.message for f in report.findings]
+        assert [p.name for p in desc.tensors["mx"].subclass.parts] == ["qdata", "scale"]
+        stored = next(s for s in desc.stored if s.name == "mx")
+    item = _item(path, stored)
+    assert item.count(b"archive/data/1") == 2  # its local header and its central directory entry
+    raw = bytearray(path.joinpath(stored.file).read_bytes())
+    raw[stored.offset:stored.offset + stored.length] = item.replace(b"archive/data/1", b"archive/data/7")
+    path.joinpath(stored.file).write_bytes(bytes(raw))
+    with described(path) as (report, desc):
+        assert [(f.check, f.message) for f in report.errors] == [
+            ("tensor-record", "'mx' chunk [0, 0]: the 'scale' part of its MXTensor has no storage record data/1")]
+        t = desc.tensors["mx"]
+        assert t.subclass is None and not t.payloads
+        assert t.unread == ["mx chunk [0, 0]: no storage record for its 'scale' part"]
+        assert desc.tensors["lower"].subclass is not None
 
 
 def test_a_damaged_payload_and_a_damaged_header(tmp_path: Path) -> None:

@@ -59,3 +59,35 @@ def test_storage_options_that_are_not_json_are_refused_unechoed(monkeypatch: pyt
     with pytest.raises(UsageError, match="must hold a JSON object") as caught:
         remote.storage_options("memory://x")
     assert "secret" not in str(caught.value)
+
+
+def test_listings_kept_for_end_checks_are_bounded_oldest_dropped_first(url: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long-lived process checks objects under many prefixes: past the bound the oldest listing is dropped, and an
+    end check under its prefix lists it afresh (one listing per prefix while kept)."""
+    monkeypatch.setattr(remote, "_LISTINGS_KEPT", 2)
+    monkeypatch.setattr(remote, "_listings", {})
+    fs, _ = remote.filesystem(url)
+    listed: list[str] = []
+    real_ls = fs.ls
+
+    def ls(path: str, detail: bool = True, **kw: object) -> object:
+        listed.append(path.rsplit("/", 1)[-1])
+        return real_ls(path, detail, **kw)
+
+    monkeypatch.setattr(fs, "ls", ls)
+    files = []
+    for n in range(3):
+        fs.pipe_file(f"{url}/p{n}/obj", b"0123456789")
+        files.append(remote.RemoteFile(f"{url}/p{n}/obj"))
+    try:
+        for f in files:
+            assert f.pread(0, 10) == b"0123456789"
+        for n in (0, 1, 0, 2, 1, 0):
+            assert files[n].changed() is None
+            assert len(remote._listings) <= 2
+        # p0 listed, p1 listed, p0 kept, p2 listed (p0 dropped), p1 kept, p0 listed afresh.
+        assert listed == ["p0", "p1", "p2", "p0"]
+    finally:
+        for f in files:
+            f.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import struct
 import subprocess
 import sys
 import zipfile
@@ -183,3 +184,120 @@ def test_renamed_records_are_refused(old, new, refusal):
     renamed = blob.replace(old, new)
     with pytest.raises(ArchiveError, match=refusal):
         parse_archive(_reader(renamed), len(renamed))
+
+
+# A torch.save archive of 4 GiB or more stores sizes and offsets as 0xFFFFFFFF in its central directory, the real
+# values in a zip64 extra field, and may end a record with a 24-byte data descriptor. Such an archive is rebuilt
+# here from a small one: same records, the large-archive encoding.
+_FULL = 0xFFFFFFFF
+
+
+def _split(blob: bytes) -> tuple[bytes, list[bytes]]:
+    """The records before the central directory and its entries, each as stored."""
+    n, cd_size, cd_offset = struct.unpack_from("<QQQ", blob, blob.rindex(b"PK\x06\x06") + 32)
+    entries, at = [], cd_offset
+    for _ in range(n):
+        nlen, xlen, clen = struct.unpack_from("<HHH", blob, at + 28)
+        entries.append(blob[at:at + 46 + nlen + xlen + clen])
+        at += len(entries[-1])
+    assert at == cd_offset + cd_size
+    return blob[:cd_offset], entries
+
+
+def _join(body: bytes, entries: list[bytes]) -> bytes:
+    """An archive of ``body`` and ``entries`` with end records as torch writes them."""
+    cd = b"".join(entries)
+    n, z64_at = len(entries), len(body) + len(cd)
+    return (body + cd + struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 798, 45, 0, 0, n, n, len(cd), len(body))
+            + struct.pack("<4sIQI", b"PK\x06\x07", 0, z64_at, 1)
+            + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, n, n, len(cd), len(body), 0))
+
+
+def _zip64_entry(entry: bytes, *values: int, fields: tuple[str, ...] = ("usize", "csize", "offset"),
+                 tag: int = 0x0001) -> bytes:
+    """``entry`` with ``fields`` set to 0xFFFFFFFF and a zip64 extra field holding ``values`` (the entry's own
+    values of those fields by default)."""
+    at = {"csize": 20, "usize": 24, "offset": 42}
+    out = bytearray(entry)
+    own = []
+    for name in ("usize", "csize", "offset"):  # the order of the zip64 extra field
+        if name in fields:
+            own.append(struct.unpack_from("<I", entry, at[name])[0])
+            struct.pack_into("<I", out, at[name], _FULL)
+    body = struct.pack(f"<{len(values or own)}Q", *(values or own))
+    nlen = struct.unpack_from("<H", entry, 28)[0]
+    struct.pack_into("<H", out, 30, len(body) + 4)
+    return bytes(out[:46 + nlen]) + struct.pack("<HH", tag, len(body)) + body
+
+
+def _records(blob: bytes) -> list[tuple[str, int, int, bytes]]:
+    archive = parse_archive(_reader(blob), len(blob))
+    return [(r.name, r.size, r.crc, blob[r.data_offset:r.data_end]) for r in archive.records]
+
+
+def test_zip64_sizes_and_offsets_in_the_central_directory_are_read():
+    blob = _saved({"a": torch.ones(2), "b": torch.zeros(3)})
+    body, entries = _split(blob)
+    assert _join(body, entries) == blob
+    big = _join(body, [_zip64_entry(e) for e in entries])
+    assert _records(big) == _records(blob)
+    # Only the fields that overflow are in the extra field (here the offset alone), in the zip64 order.
+    offsets = _join(body, [_zip64_entry(e, fields=("offset",)) for e in entries])
+    assert _records(offsets) == _records(blob)
+    zf = zipfile.ZipFile(io.BytesIO(big))
+    assert [(n, len(d), zlib.crc32(d), d) for n, _, _, d in _records(big)] == [
+        (i.filename, i.file_size, i.CRC, zf.read(i)) for i in zf.infolist()]
+
+
+def test_a_zip64_data_descriptor_is_read():
+    blob = _saved({"a": torch.ones(2), "b": torch.zeros(3)})
+    body, entries = _split(blob)
+    first = parse_archive(_reader(blob), len(blob)).records[0]
+    at = first.data_end
+    crc, size, size2 = struct.unpack_from("<4xIII", body, at)
+    longer = body[:at] + struct.pack("<4sIQQ", b"PK\x07\x08", crc, size, size2) + body[at + 16:]
+    moved = [e[:42] + struct.pack("<I", struct.unpack_from("<I", e, 42)[0] + 8) + e[46:]
+             if struct.unpack_from("<I", e, 42)[0] > at else e for e in entries]
+    big = _join(longer, moved)
+    assert _records(big) == _records(blob)
+    assert parse_archive(_reader(big), len(big)).records[1].header_offset == at + 24
+    # A 24-byte descriptor whose size is not the record's is refused, as a 16-byte one is.
+    wrong = body[:at] + struct.pack("<4sIQQ", b"PK\x07\x08", crc, size, size2 + 1) + body[at + 16:]
+    bad = _join(wrong, moved)
+    with pytest.raises(ArchiveError, match=f"data descriptor of '{first.name}' disagrees with the central directory"):
+        parse_archive(_reader(bad), len(bad))
+
+
+def _extra(entry: bytes, extra: bytes) -> bytes:
+    """``entry`` with its extra field replaced by ``extra``."""
+    nlen = struct.unpack_from("<H", entry, 28)[0]
+    return entry[:30] + struct.pack("<H", len(extra)) + entry[32:46 + nlen] + extra
+
+
+def _size(entry: bytes) -> int:
+    return struct.unpack_from("<I", entry, 24)[0]
+
+
+@pytest.mark.parametrize("edit, refusal", [
+    # Three fields overflow, the extra field holds two values.
+    (lambda e: _zip64_entry(e, _size(e), _size(e)), "zip64 extra field is too short"),
+    # The zip64 extra field says 24 bytes follow; the entry's extra field ends after 16: too short for the three
+    # values it must hold, and malformed where it need hold none.
+    (lambda e: _extra(_zip64_entry(e), _zip64_entry(e)[-28:-8]), "zip64 extra field is too short"),
+    (lambda e: _extra(e, _zip64_entry(e)[-28:-8]), "central directory extra field is malformed"),
+    # The stored and uncompressed sizes disagree.
+    (lambda e: _zip64_entry(e, _size(e), _size(e) + 1, fields=("usize", "csize")),
+     "is compressed or uses flags torch never writes"),
+    # The sizes agree with each other, not with the record's data descriptor.
+    (lambda e: _zip64_entry(e, _size(e) + 1, _size(e) + 1, fields=("usize", "csize")),
+     "data descriptor of .* disagrees with the central directory"),
+    (lambda e: _zip64_entry(e, tag=0x5455), "central directory extra field 0x5455 is not one torch writes"),
+    # Bytes after the last extra field.
+    (lambda e: _extra(e, _zip64_entry(e, fields=())[-4:] + b"\0\0"), "central directory extra field is malformed"),
+], ids=["too-few-values", "cut-short", "cut-short-unused", "sizes-disagree", "descriptor-disagrees", "other-tag",
+        "trailing-bytes"])
+def test_malformed_zip64_extra_fields_are_refused(edit, refusal):
+    body, entries = _split(_saved({"a": torch.ones(2)}))
+    bad = _join(body, [edit(entries[0]), *entries[1:]])
+    with pytest.raises(ArchiveError, match=refusal):
+        parse_archive(_reader(bad), len(bad))
