@@ -484,6 +484,43 @@ def test_dcp_safetensors_deep_rebuilds_every_tensor(tmp_path: Path) -> None:
     assert {f.check for f in report.warnings} == {"content-uncheckable"}  # no checksum: said, not hidden
 
 
+@pytest.mark.parametrize(("old", "new", "got"), [
+    (b'"model.2.weight":{"dtype":"F32"', b'"model.2.weight":{"dtype":"I32"', "int32[32, 384]"),
+    (b'"shape":[32,384],"data_offsets":[199072', b'"shape":[384,32],"data_offsets":[199072', "float32[384, 32]"),
+    (b'"model.2.weight":{', b'"model.2.weighT":{', "nothing"),
+], ids=["dtype", "shape", "name"])
+def test_a_dcp_safetensors_blob_entry_that_disagrees_with_the_metadata_is_blamed_on_its_tensor(
+        tmp_path: Path, old: bytes, new: bytes, got: str) -> None:
+    from ckptverify.audit.verify import verify_checkpoint
+
+    ckpt = safetensors_ckpt(tmp_path / "st")
+    shard = ckpt / "__0_0.distcp"
+    raw = shard.read_bytes()
+    assert raw.count(old) == 1
+    shard.write_bytes(raw.replace(old, new))  # the same length: the blob stays well formed
+    errors = verify_checkpoint(ckpt).errors
+    assert [(f.check, f.location.fqn) for f in errors] == [("tensor-record", "model.2.weight")]
+    assert errors[0].message.endswith(f": the safetensors blob holds {got} under this name, the metadata says "
+                                      "float32[32, 384]")
+
+
+def test_a_dcp_safetensors_blob_entry_whose_byte_range_disagrees_with_its_shape_is_a_blob_error(
+        tmp_path: Path) -> None:
+    from ckptverify.audit.verify import verify_checkpoint
+
+    ckpt = safetensors_ckpt(tmp_path / "st")
+    shard = ckpt / "__0_0.distcp"
+    raw = shard.read_bytes()
+    old = b'"model.2.weight":{"dtype":"F32","shape":[32,384]'
+    assert raw.count(old) == 1
+    shard.write_bytes(raw.replace(old, old.replace(b"[32,384]", b"[32,383]")))  # 4 bytes short of its range
+    errors = verify_checkpoint(ckpt).errors
+    assert [f.check for f in errors] == ["blob-structure"]
+    assert errors[0].location.file == "__0_0.distcp"
+    assert "the safetensors blob is malformed: safetensors entry 'model.2.weight': 49152 bytes for " \
+           "float32[32, 383]" in errors[0].message
+
+
 # ---- framework side files beside DCP shards ----------------------------------------------------------------
 
 
