@@ -73,3 +73,27 @@ def test_unchecked_content_is_advised_a_fingerprint_once_and_never_when_damaged_
     _, manifest = fingerprint_checkpoint(path, trust_uncheckable=True)
     assert manifest is not None and _advice(verify_checkpoint(path)) == []
 
+
+class _Sink:
+    """A progress sink that keeps each stage's total and what was advanced in it."""
+
+    def __init__(self):
+        self.stages = []
+
+    def start(self, total_bytes):
+        self.stages.append([total_bytes, 0])
+
+    def advance(self, n):
+        self.stages[-1][1] += n
+
+
+def test_a_deep_verification_reports_the_progress_of_each_stage_to_its_sink(tmp_path):
+    path = tmp_path / "ckpt"
+    w = torch.randn(64, 64)
+    dcp.save({"w": w, "b": torch.arange(10), "step": 3}, checkpoint_id=str(path))
+    sink = _Sink()
+    assert verify_checkpoint(path, deep=True, jobs=2, progress=sink).passed
+    # The CRC stage over the records not checked while planning, then the deep stage over the tensors laid out (not
+    # the archives holding them), each advanced to its total.
+    assert len(sink.stages) == 2 and all(total == done for total, done in sink.stages)
+    assert sink.stages[1][0] == w.nbytes + 10 * 8
