@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from helpers.dcp_encodings import dcp_checkpoint as _dcp
 from helpers.dcp_encodings import safetensors_ckpt, zstd_ckpt
 
@@ -232,6 +233,25 @@ def test_special_files_in_a_folder_are_findings_never_opened(tmp_path: Path) -> 
     findings, _, _ = check_folder(str(root))
     assert sorted(f.location.file for f in _errors(findings) if f.check == "file-type") == ["optimizer.bin",
                                                                                             "rng_state.pth"]
+
+
+@pytest.mark.parametrize(("fqn", "label"), [("b", "'b' chunk [0]"), ("step", "'step'")])
+def test_a_dcp_item_without_its_data_pkl_record_is_a_structure_error_at_the_item(tmp_path: Path, fqn: str,
+                                                                                 label: str) -> None:
+    from ckptverify.audit.verify import verify_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"w": torch.randn(8, 8), "b": torch.arange(10), "step": 3}, checkpoint_id=str(ckpt))
+    item = next(i for i in _items(ckpt).items if i.fqn == fqn)
+    shard = ckpt / item.file
+    raw = bytearray(shard.read_bytes())
+    archive = bytes(raw[item.offset:item.end])
+    assert archive.count(b"/data.pkl") == 2  # its local header and its central directory entry
+    raw[item.offset:item.end] = archive.replace(b"/data.pkl", b"/data.pkX")  # an intact archive all the same
+    shard.write_bytes(bytes(raw))
+    errors = verify_checkpoint(ckpt).errors
+    assert [(f.check, f.message) for f in errors] == [("zip-structure", f"{label} has no data.pkl record")]
+    assert (errors[0].location.file, errors[0].location.byte_range) == (item.file, (item.offset, item.end))
 
 
 # ---- DCP encodings: the ZStandard stream transform and the safetensors serialization -------------------------
