@@ -565,8 +565,7 @@ class VerificationRun:
 
         desc = self.description()
         if self._progress is not None:
-            self._progress.start(sum(p.item.length for p in self._plans
-                                    if p.item.kind == "tensor" and p.item.chunk is not None))
+            self._progress.start(deep_check.scan_bytes(desc))
         run_map = self.map if self._executor is None else self._executor.tensor_map(self)
         scans, found = deep_check.scan_description(desc, run_map, self.advance)
         # Never pass a deep check that rebuilt nothing; say how many were left out when some were.

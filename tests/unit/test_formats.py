@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from helpers.dcp_encodings import dcp_checkpoint as _dcp
 from helpers.dcp_encodings import safetensors_ckpt, zstd_ckpt
 
@@ -232,6 +233,25 @@ def test_special_files_in_a_folder_are_findings_never_opened(tmp_path: Path) -> 
     findings, _, _ = check_folder(str(root))
     assert sorted(f.location.file for f in _errors(findings) if f.check == "file-type") == ["optimizer.bin",
                                                                                             "rng_state.pth"]
+
+
+@pytest.mark.parametrize(("fqn", "label"), [("b", "'b' chunk [0]"), ("step", "'step'")])
+def test_a_dcp_item_without_its_data_pkl_record_is_a_structure_error_at_the_item(tmp_path: Path, fqn: str,
+                                                                                 label: str) -> None:
+    from ckptverify.audit.verify import verify_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"w": torch.randn(8, 8), "b": torch.arange(10), "step": 3}, checkpoint_id=str(ckpt))
+    item = next(i for i in _items(ckpt).items if i.fqn == fqn)
+    shard = ckpt / item.file
+    raw = bytearray(shard.read_bytes())
+    archive = bytes(raw[item.offset:item.end])
+    assert archive.count(b"/data.pkl") == 2  # its local header and its central directory entry
+    raw[item.offset:item.end] = archive.replace(b"/data.pkl", b"/data.pkX")  # an intact archive all the same
+    shard.write_bytes(bytes(raw))
+    errors = verify_checkpoint(ckpt).errors
+    assert [(f.check, f.message) for f in errors] == [("zip-structure", f"{label} has no data.pkl record")]
+    assert (errors[0].location.file, errors[0].location.byte_range) == (item.file, (item.offset, item.end))
 
 
 # ---- DCP encodings: the ZStandard stream transform and the safetensors serialization -------------------------
@@ -482,6 +502,43 @@ def test_dcp_safetensors_deep_rebuilds_every_tensor(tmp_path: Path) -> None:
     report = verify_checkpoint(safetensors_ckpt(tmp_path / "st"), deep=True)
     assert report.passed and {c.check: c.count for c in report.coverage}["fingerprint"] == 21
     assert {f.check for f in report.warnings} == {"content-uncheckable"}  # no checksum: said, not hidden
+
+
+@pytest.mark.parametrize(("old", "new", "got"), [
+    (b'"model.2.weight":{"dtype":"F32"', b'"model.2.weight":{"dtype":"I32"', "int32[32, 384]"),
+    (b'"shape":[32,384],"data_offsets":[199072', b'"shape":[384,32],"data_offsets":[199072', "float32[384, 32]"),
+    (b'"model.2.weight":{', b'"model.2.weighT":{', "nothing"),
+], ids=["dtype", "shape", "name"])
+def test_a_dcp_safetensors_blob_entry_that_disagrees_with_the_metadata_is_blamed_on_its_tensor(
+        tmp_path: Path, old: bytes, new: bytes, got: str) -> None:
+    from ckptverify.audit.verify import verify_checkpoint
+
+    ckpt = safetensors_ckpt(tmp_path / "st")
+    shard = ckpt / "__0_0.distcp"
+    raw = shard.read_bytes()
+    assert raw.count(old) == 1
+    shard.write_bytes(raw.replace(old, new))  # the same length: the blob stays well formed
+    errors = verify_checkpoint(ckpt).errors
+    assert [(f.check, f.location.fqn) for f in errors] == [("tensor-record", "model.2.weight")]
+    assert errors[0].message.endswith(f": the safetensors blob holds {got} under this name, the metadata says "
+                                      "float32[32, 384]")
+
+
+def test_a_dcp_safetensors_blob_entry_whose_byte_range_disagrees_with_its_shape_is_a_blob_error(
+        tmp_path: Path) -> None:
+    from ckptverify.audit.verify import verify_checkpoint
+
+    ckpt = safetensors_ckpt(tmp_path / "st")
+    shard = ckpt / "__0_0.distcp"
+    raw = shard.read_bytes()
+    old = b'"model.2.weight":{"dtype":"F32","shape":[32,384]'
+    assert raw.count(old) == 1
+    shard.write_bytes(raw.replace(old, old.replace(b"[32,384]", b"[32,383]")))  # 4 bytes short of its range
+    errors = verify_checkpoint(ckpt).errors
+    assert [f.check for f in errors] == ["blob-structure"]
+    assert errors[0].location.file == "__0_0.distcp"
+    assert "the safetensors blob is malformed: safetensors entry 'model.2.weight': 49152 bytes for " \
+           "float32[32, 383]" in errors[0].message
 
 
 # ---- framework side files beside DCP shards ----------------------------------------------------------------

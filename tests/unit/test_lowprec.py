@@ -339,8 +339,13 @@ def test_plain_dcp_save_is_read_part_by_part(tmp_path: Path) -> None:
 
     m, n = _mx(), _nvfp4()
     dcp.save({"mx": m, "nv": n}, checkpoint_id=str(tmp_path / "ck"))
-    report = verify_checkpoint(tmp_path / "ck", deep=True)
+    stages: list[list[int]] = []
+    sink = type("Sink", (), {"start": lambda _, total: stages.append([total, 0]),
+                             "advance": lambda _, k: stages[-1].__setitem__(1, stages[-1][1] + k)})()
+    report = verify_checkpoint(tmp_path / "ck", deep=True, progress=sink)
     assert report.exit_code == 0, _findings(report)
+    laid_out = sum(getattr(t, a).nbytes for t in (m, n) for a in t.__tensor_flatten__()[0])
+    assert stages[-1] == [laid_out, laid_out]  # the deep stage: every inner tensor, advanced to its total
     assert {c.check: c.count for c in report.coverage}["fingerprint"] == 2
     assert not [f for f in report.findings if f.check in ("tensor-record", "deep-incomplete")]
     adopted, _ = fingerprint_checkpoint(tmp_path / "ck")
