@@ -213,6 +213,15 @@ def _item(path: Path, stored: Any) -> bytes:
         return f.read(stored.length)
 
 
+def _rename_record(path: Path, stored: Any, old: bytes, new: bytes) -> None:
+    """Rename a record of a stored item in place, in its local header and its central directory entry."""
+    item = _item(path, stored)
+    assert item.count(old) == 2 and len(old) == len(new)
+    raw = bytearray(path.joinpath(stored.file).read_bytes())
+    raw[stored.offset:stored.offset + stored.length] = item.replace(old, new)
+    path.joinpath(stored.file).write_bytes(bytes(raw))
+
+
 def test_a_plain_value_the_inert_reader_refuses_is_its_pickle_digest(tmp_path: Path) -> None:
     """A value whose pickle the inert reader refuses (a deque: its items are appended to an instance of a class
     it never imports) is described by the digest of its pickle, not by its contents."""
@@ -245,11 +254,7 @@ def test_a_plain_value_whose_item_has_no_pickle_is_not_described(tmp_path: Path)
     with described(path, values=True) as (_, desc):
         assert desc.values == {"step": "int:7"}
         stored = next(s for s in desc.stored if s.name == "step")
-    item = _item(path, stored)
-    assert item.count(b"archive/data.pkl") == 2  # its local header and its central directory entry
-    raw = bytearray(path.joinpath(stored.file).read_bytes())
-    raw[stored.offset:stored.offset + stored.length] = item.replace(b"archive/data.pkl", b"archive/data.pkx")
-    path.joinpath(stored.file).write_bytes(bytes(raw))
+    _rename_record(path, stored, b"archive/data.pkl", b"archive/data.pkx")
     with described(path, values=True) as (report, desc):
         assert [(f.check, f.message) for f in report.errors] == [("zip-structure", "'step' has no data.pkl record")]
         assert desc.values == {}
@@ -308,11 +313,7 @@ def test_a_subclass_part_without_its_storage_record_is_left_unread(tmp_path: Pat
         assert report.passed, [f.message for f in report.findings]
         assert [p.name for p in desc.tensors["mx"].subclass.parts] == ["qdata", "scale"]
         stored = next(s for s in desc.stored if s.name == "mx")
-    item = _item(path, stored)
-    assert item.count(b"archive/data/1") == 2  # its local header and its central directory entry
-    raw = bytearray(path.joinpath(stored.file).read_bytes())
-    raw[stored.offset:stored.offset + stored.length] = item.replace(b"archive/data/1", b"archive/data/7")
-    path.joinpath(stored.file).write_bytes(bytes(raw))
+    _rename_record(path, stored, b"archive/data/1", b"archive/data/7")
     with described(path) as (report, desc):
         assert [(f.check, f.message) for f in report.errors] == [
             ("tensor-record", "'mx' chunk [0, 0]: the 'scale' part of its MXTensor has no storage record data/1")]

@@ -134,36 +134,6 @@ def test_trace_member_digests_cover_data_and_scales() -> None:
     assert views.digests() is None
 
 
-class _Opaque:
-    """An attribute of a kind the canonical form does not know."""
-
-
-class _WithOddAttribute(torch.Tensor):
-    """A minimal wrapper subclass (one inner tensor) whose flatten context holds an object of another kind."""
-
-    @staticmethod
-    def __new__(cls, inner: torch.Tensor, extra: object):
-        self = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
-        self.inner, self.extra = inner, extra
-        return self
-
-    def __tensor_flatten__(self):
-        return ["inner"], {"extra": self.extra}
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise NotImplementedError(func)
-
-
-def test_an_attribute_without_canonical_form_refuses_the_fingerprint_not_the_trace() -> None:
-    a = _WithOddAttribute(torch.arange(4.0), _Opaque())
-    b = _WithOddAttribute(torch.arange(4.0) + 1, _Opaque())
-    with pytest.raises(UsageError, match="no canonical form"):
-        tensor_fingerprint(a)
-    da, db, da2 = tensor_digests([a, b, _WithOddAttribute(torch.arange(4.0), _Opaque())])
-    assert da == da2 and da != db  # its parts are still covered
-
-
 def test_an_async_collective_result_is_not_taken_apart() -> None:
     """Its inner buffer may still be in flight: it is digested as a tensor (any op on it waits first)."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor

@@ -1,4 +1,5 @@
-"""A wrapper subclass's flatten context in canonical form: nested lists and dicts, no context, a non-dict context."""
+"""A wrapper subclass's flatten context in canonical form: nested lists and dicts, no context, a non-dict context,
+and an attribute with no canonical form."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import pytest
 import torch
 
 from ckptverify.errors import UsageError
+from ckptverify.fingerprint import tensor_fingerprint
 from ckptverify.fingerprint.subclass import canonical, flatten
+from ckptverify.trace.category import tensor_digests
 
 
 class _Wrapped(torch.Tensor):
@@ -38,3 +41,16 @@ def test_flatten_takes_no_context_as_empty_and_another_kind_under_one_key() -> N
     assert flatten(_Wrapped(inner, ("block", 32))).context == {"context": ["block", 32]}
     assert flatten(_Wrapped(inner, {"scale": None, "n": 2})).context == {"n": 2}  # None left out
     assert flatten(_Wrapped(inner, None)).parts[0][0] == "inner"
+
+
+class _Opaque:
+    """An attribute of a kind the canonical form does not know."""
+
+
+def test_an_attribute_without_canonical_form_refuses_the_fingerprint_not_the_trace() -> None:
+    a = _Wrapped(torch.arange(4.0), {"extra": _Opaque()})
+    b = _Wrapped(torch.arange(4.0) + 1, {"extra": _Opaque()})
+    with pytest.raises(UsageError, match="no canonical form"):
+        tensor_fingerprint(a)
+    da, db, da2 = tensor_digests([a, b, _Wrapped(torch.arange(4.0), {"extra": _Opaque()})])
+    assert da == da2 and da != db  # its parts are still covered
