@@ -115,6 +115,10 @@ class Opaque:
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
+    def __getattr__(self, attr: str) -> Any:
+        # Reached only for what a stand-in lacks (a pickle appending to it, say): name the global, not this class.
+        raise AttributeError(f"{self.name} is outside the allowlist and not rebuilt, so it has no {attr[:40]!r}")
+
     def __reduce__(self) -> Any:  # pragma: no cover - never pickled again
         raise TypeError("Opaque stand-ins are not picklable")
 
@@ -306,7 +310,12 @@ def _canonical(value: Any) -> Any:
     label = getattr(type(value), "label", None)
     if label in _RECORDS and getattr(value, "fields", None) is not None:
         return {"class": label, "fields": value.fields}
-    raise BadPickle(f"a tensor subclass attribute of type {type(value).__name__} is not allowed")
+    raise BadPickle(f"a tensor subclass attribute of type {_type_name(value)} is not allowed")
+
+
+def _type_name(value: Any) -> str:
+    """The type a value stands for: the global's name for an :class:`Opaque` stand-in."""
+    return value.name if isinstance(value, Opaque) else type(value).__name__
 
 
 def _check_attributes(label: str, state: dict[str, Any], part_type: type | None) -> None:
@@ -322,7 +331,7 @@ def _check_attributes(label: str, state: dict[str, Any], part_type: type | None)
         if key not in state and not optional:
             raise BadPickle(f"{label} record without its {key!r}")
         if key in state and not _is_kind(state[key], kind, part_type):
-            raise BadPickle(f"a tensor subclass attribute of type {type(state[key]).__name__} is not "
+            raise BadPickle(f"a tensor subclass attribute of type {_type_name(state[key])} is not "
                             f"what {label}.{key} holds ({kind.rsplit('.', 1)[-1]})")
 
 

@@ -326,7 +326,7 @@ _CRAFTED = {
     "global as an attribute": (MX, {"is_swizzled_scales": _SENTINEL_GLOBAL},
                                rf"{SENTINEL}.boom is not part|type type is not what"),
     "call of a global as an attribute": (MX, {"block_size": Call(_SENTINEL_GLOBAL, ("x",))},
-                                         rf"{SENTINEL}.boom is not part|type Opaque is not what"),
+                                         rf"{SENTINEL}.boom is not part|type {SENTINEL}.boom is not what"),
     "settings with a field missing": (MX, {"act_quant_kwargs": _kwargs(scaling_mode=DROP)},
                                       "without its 'scaling_mode'"),
     "settings with a field of another type": (MX, {"act_quant_kwargs": _kwargs(block_size=2.5)},

@@ -839,3 +839,14 @@ def test_an_unread_file_s_reason_names_its_kind_once(tmp_path: Path) -> None:
     assert unread["deep.json"].startswith("not valid JSON: the JSON nests deeper than")
     assert unread["bad.pkl"].startswith("not a readable pickle: ")
     assert unread["bad.pkl"].count("not a readable pickle") == 1
+
+
+def test_a_pickle_that_uses_a_global_outside_the_allowlist_as_more_than_a_value_names_the_global(
+        tmp_path: Path) -> None:
+    import collections
+
+    from ckptverify.formats.describe import describe
+
+    (tmp_path / "h.pkl").write_bytes(pickle.dumps({"h": collections.deque([1, 2])}, protocol=2))
+    assert describe(tmp_path).unread == {"h.pkl": "not a readable pickle: AttributeError: collections.deque is "
+                                                  "outside the allowlist and not rebuilt, so it has no 'append'"}
