@@ -68,7 +68,12 @@ V = TypeVar("V")
 
 def first_verdict(rules: Sequence[Callable[[C], V | None]], case: C) -> V:
     """The verdict of the first rule that applies to ``case`` (returns non-``None``); the last rule always applies."""
-    return next(v for v in (rule(case) for rule in rules) if v is not None)
+    for rule in rules:
+        verdict = rule(case)
+        if verdict is not None:
+            return verdict
+    # An explicit error, not next()'s StopIteration, which a map() or generator calling this would end on silently.
+    raise AssertionError(f"no rule applies to {type(case).__name__}: the last rule of a table always applies")
 
 
 def _values_in(runs: Runs, a: Any, b: Any) -> str:
